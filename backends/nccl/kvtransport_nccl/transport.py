@@ -1,0 +1,302 @@
+"""The ``nccl`` backend: torch.distributed point-to-point over a private 2-rank process group per link.
+
+Two-sided: the sender gathers the coalesced runs of a layer into one staging buffer with one
+``index_select`` per plane (no per-block Python loop) and sends it as one message; the receiver receives
+it and scatters with one ``index_copy_`` per plane. A put that is a single run over a dense plane is sent
+straight from (and received straight into) the KV cache, without staging. CUDA memory travels over NCCL,
+host memory over gloo. Every link gets its own process group (sender rank 0, receiver rank 1) built on a
+TCPStore hosted by the sender, so links never share a communicator across threads.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import datetime
+import os
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kvtransport.backend import (
+    Answer,
+    Capabilities,
+    Dialer,
+    InboundLink,
+    JSONDict,
+    OutboundLink,
+    PeerInfo,
+    Transport,
+)
+from kvtransport.coalesce import BlockRun
+from kvtransport.config import Settings, default_env
+from kvtransport.errors import (
+    BackendUnavailable,
+    ConfigurationError,
+    PeerDisconnected,
+    TransferError,
+    TransferTimeout,
+)
+from kvtransport.layout import KVLayout, LayerRegion
+
+STRATEGIES = ("pack", "per_run")
+KNOBS = {"NCCL_SOCKET_IFNAME": "{ifname}", "GLOO_SOCKET_IFNAME": "{ifname}"}
+
+
+class _CudaArray:
+    """Minimal ``__cuda_array_interface__`` wrapper so torch can view raw device memory."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+def _bytes_at(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor aliasing ``nbytes`` at ``ptr`` (host or CUDA)."""
+    if device.type == "cuda":
+        return torch.as_tensor(_CudaArray(ptr, nbytes), device=device)
+    return torch.frombuffer((ctypes.c_char * nbytes).from_address(ptr), dtype=torch.uint8)
+
+
+class _LayerViews:
+    """Per-plane ``[num_blocks, piece_bytes]`` uint8 views of one layer."""
+
+    def __init__(self, layer: LayerRegion, num_blocks: int, device: torch.device) -> None:
+        self.planes = []
+        for p in layer.planes:
+            span = (num_blocks - 1) * p.block_stride + p.piece_bytes
+            base = _bytes_at(p.base, span, device)
+            self.planes.append(base.as_strided((num_blocks, p.piece_bytes), (p.block_stride, 1)))
+        self.block_bytes = layer.block_bytes
+
+    def direct(self, runs: Sequence[BlockRun], use_src: bool) -> torch.Tensor | None:
+        """The run's bytes as one contiguous view when a put is one run over one dense plane."""
+        if len(runs) != 1 or len(self.planes) != 1:
+            return None
+        r = runs[0]
+        start = r.src if use_src else r.dst
+        view = self.planes[0][start : start + r.count]
+        return view if view.is_contiguous() else None
+
+
+class TorchTransport(Transport):
+    name = "nccl"
+
+    def __init__(self, layout: KVLayout, settings: Settings) -> None:
+        opts = dict(settings.backend_options)
+        self.strategy = str(opts.pop("strategy", "pack"))
+        if self.strategy not in STRATEGIES:
+            raise ConfigurationError(f"nccl backend: strategy={self.strategy!r}; choose one of {STRATEGIES}")
+        if opts:
+            raise ConfigurationError(f"nccl backend: unknown options {sorted(opts)}; known: strategy")
+        self.layout = layout
+        self.settings = settings
+        self.device = torch.device(layout.device)
+        if self.device.type == "cuda":
+            if not (dist.is_nccl_available() and torch.cuda.is_available()):
+                raise BackendUnavailable("CUDA memory needs NCCL, which this torch build/machine lacks")
+            torch.cuda.set_device(self.device)
+            self.pg_kind = "nccl"
+        else:
+            if not dist.is_gloo_available():
+                raise BackendUnavailable("host memory needs gloo, which this torch build lacks")
+            self.pg_kind = "gloo"
+        # NET_IFNAME -> backend knobs, at open() time and only where the user has not set them
+        os.environ.update(default_env(settings, KNOBS))
+        self.capabilities = Capabilities(
+            one_sided=False, memory_kinds=frozenset({self.device.type}), cross_host=True,
+            notes=f"torch.distributed {self.pg_kind}",
+        )
+        self.views = [_LayerViews(layer, layout.num_blocks, self.device) for layer in layout.layers]
+
+    def describe(self) -> JSONDict:
+        return {"pg": self.pg_kind, "torch": torch.__version__}
+
+    def dial(self, peer: PeerInfo) -> Dialer:
+        if peer.transport.get("pg") != self.pg_kind:
+            raise BackendUnavailable(f"peer moves {peer.transport.get('pg')} memory, we move {self.pg_kind}")
+        return _TorchDialer(self)
+
+    def answer(self, peer: PeerInfo, request: JSONDict) -> Answer:
+        return _TorchAnswer(self, request)
+
+    # ------------------------------------------------------------------ process groups
+    def make_group(self, store: Any, rank: int, timeout: float) -> Any:
+        td = datetime.timedelta(seconds=timeout)
+        if self.pg_kind == "gloo":
+            if self.settings.ifname:
+                dev = dist.ProcessGroupGloo.create_device(interface=self.settings.ifname)
+            else:
+                dev = dist.ProcessGroupGloo.create_device(hostname=self.settings.address)
+            opts = dist.ProcessGroupGloo._Options()
+            opts._devices = [dev]
+            opts._timeout = td
+            return dist.ProcessGroupGloo(store, rank, 2, opts)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = td
+        pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
+        return pg
+
+    def close(self) -> None:
+        self.views = []
+
+
+class _TorchDialer(Dialer):
+    def __init__(self, tr: TorchTransport) -> None:
+        self.tr = tr
+        self.store = dist.TCPStore(tr.settings.address, 0, 2, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=tr.settings.timeout))
+        self.request: JSONDict = {"store_host": tr.settings.address, "store_port": int(self.store.port),
+                                  "prefix": secrets.token_hex(4)}
+
+    def complete(self, reply: JSONDict, timeout: float) -> OutboundLink:
+        store = dist.PrefixStore(str(self.request["prefix"]), self.store)
+        try:
+            pg = self.tr.make_group(store, 0, timeout)
+        except Exception as exc:
+            raise PeerDisconnected(f"{self.tr.pg_kind} rendezvous with peer failed: {exc}") from None
+        return _TorchOutLink(self.tr, pg, self.store)
+
+
+class _TorchAnswer(Answer):
+    def __init__(self, tr: TorchTransport, request: JSONDict) -> None:
+        self.tr = tr
+        self.request = request
+        self.reply: JSONDict = {}
+
+    def complete(self, timeout: float) -> InboundLink:
+        try:
+            host, port, prefix = str(self.request["store_host"]), int(self.request["store_port"]), str(self.request["prefix"])
+        except (KeyError, TypeError, ValueError):
+            raise TransferError("malformed nccl link request") from None
+        try:
+            base = dist.TCPStore(host, port, 2, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+            pg = self.tr.make_group(dist.PrefixStore(prefix, base), 1, timeout)
+        except Exception as exc:
+            raise PeerDisconnected(f"{self.tr.pg_kind} rendezvous with {host}:{port} failed: {exc}") from None
+        return _TorchInLink(self.tr, pg, base)
+
+
+def _ids(runs: Sequence[BlockRun], use_src: bool, device: torch.device) -> torch.Tensor:
+    out: list[int] = []
+    for r in runs:
+        start = r.src if use_src else r.dst
+        out.extend(range(start, start + r.count))
+    return torch.tensor(out, dtype=torch.long).to(device, non_blocking=True)
+
+
+def _wait(work: Any, timeout: float, what: str) -> None:
+    try:
+        work.wait(datetime.timedelta(seconds=timeout))
+    except Exception as exc:
+        text = str(exc)
+        if "imeout" in text or "imed out" in text:
+            raise TransferTimeout(f"{what} did not complete within {timeout:.3g}s: {text[:200]}") from None
+        raise PeerDisconnected(f"{what} failed (peer gone?): {text[:300]}") from None
+
+
+class _TorchOutLink(OutboundLink):
+    def __init__(self, tr: TorchTransport, pg: Any, store: Any) -> None:
+        self.tr, self.pg, self.store = tr, pg, store
+        self.pending: collections.deque[tuple[Any, Any]] = collections.deque()
+
+    def put(self, layer: int, runs: Sequence[BlockRun]) -> None:
+        views = self.tr.views[layer]
+        self._reap()
+        if self.tr.strategy == "per_run" and len(views.planes) == 1:
+            for r in runs:
+                chunk = views.planes[0][r.src : r.src + r.count]
+                if not chunk.is_contiguous():
+                    chunk = chunk.contiguous()
+                self.pending.append((self.pg.send([chunk.view(-1)], 1, 0), chunk))
+            return
+        buf = views.direct(runs, use_src=True)
+        if buf is None:
+            ids = _ids(runs, True, self.tr.device)
+            parts = [torch.index_select(p, 0, ids).view(-1) for p in views.planes]
+            buf = parts[0] if len(parts) == 1 else torch.cat(parts)
+        self.pending.append((self.pg.send([buf.view(-1)], 1, 0), buf))
+
+    def _reap(self) -> None:
+        while self.pending and self.pending[0][0].is_completed():
+            self.pending.popleft()
+
+    def flush(self, timeout: float) -> None:
+        while self.pending:
+            work, _ = self.pending[0]
+            _wait(work, timeout, "send to peer")
+            self.pending.popleft()
+
+    def describe(self) -> str:
+        if self.tr.pg_kind == "nccl":
+            return f"nccl ({self.tr.device})"
+        return f"gloo tcp via {self.tr.settings.ifname or self.tr.settings.address}"
+
+    def close(self) -> None:
+        self.pending.clear()
+        _shutdown(self.pg)
+
+
+class _TorchInLink(InboundLink):
+    def __init__(self, tr: TorchTransport, pg: Any, store: Any) -> None:
+        self.tr, self.pg, self.store = tr, pg, store
+        self._set_device = False
+
+    def _recv(self, buf: torch.Tensor, timeout: float) -> None:
+        if self.tr.device.type == "cuda" and not self._set_device:
+            torch.cuda.set_device(self.tr.device)
+            self._set_device = True
+        _wait(self.pg.recv([buf.view(-1)], 0, 0), timeout, "receive from peer")
+
+    def receive(self, layer: int, runs: Sequence[BlockRun], timeout: float) -> None:
+        views = self.tr.views[layer]
+        if self.tr.strategy == "per_run" and len(views.planes) == 1:
+            for r in runs:
+                chunk = views.planes[0][r.dst : r.dst + r.count]
+                tmp = chunk if chunk.is_contiguous() else torch.empty_like(chunk, memory_format=torch.contiguous_format)
+                self._recv(tmp, timeout)
+                if tmp is not chunk:
+                    chunk.copy_(tmp)
+            self._sync()
+            return
+        direct = views.direct(runs, use_src=False)
+        if direct is not None:
+            self._recv(direct, timeout)
+            self._sync()
+            return
+        n = sum(r.count for r in runs)
+        buf = torch.empty(n * views.block_bytes, dtype=torch.uint8, device=self.tr.device)
+        self._recv(buf, timeout)
+        ids = _ids(runs, False, self.tr.device)
+        off = 0
+        for p in views.planes:
+            size = n * p.shape[1]
+            p.index_copy_(0, ids, buf[off : off + size].view(n, p.shape[1]))
+            off += size
+        self._sync()
+
+    def discard(self, layer: int, runs: Sequence[BlockRun], timeout: float) -> None:
+        views = self.tr.views[layer]
+        if self.tr.strategy == "per_run" and len(views.planes) == 1:
+            for r in runs:
+                self._recv(torch.empty(r.count * views.block_bytes, dtype=torch.uint8, device=self.tr.device), timeout)
+            return
+        n = sum(r.count for r in runs)
+        self._recv(torch.empty(n * views.block_bytes, dtype=torch.uint8, device=self.tr.device), timeout)
+
+    def _sync(self) -> None:
+        if self.tr.device.type == "cuda":
+            torch.cuda.current_stream(self.tr.device).synchronize()
+
+    def close(self) -> None:
+        _shutdown(self.pg)
+
+
+def _shutdown(pg: Any) -> None:
+    try:
+        if hasattr(pg, "abort"):
+            pg.abort()
+    except Exception:
+        pass

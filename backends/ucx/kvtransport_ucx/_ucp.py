@@ -1,0 +1,1079 @@
+"""Thin ctypes binding for UCX/UCP one-sided RMA (put, flush, atomic add).
+
+The binding calls the C API of the ``libucp`` that PyPI's UCX wheels ship
+(``pip install ucxx-cu12``, or just ``libucx-cu12``).  ucxx's Python API has no
+memory registration / rkeys / put / flush, hence this module.
+
+Object model (all handles are owned; closing a parent closes its children)::
+
+    UcpContext ──> UcpWorker ──> UcpEndpoint ──> UcpRkey
+        └──> UcpMemory (registered local memory; pack_rkey() for the peer)
+
+Threading: nothing here is thread-safe.  Workers are created in
+``UCS_THREAD_MODE_SINGLE`` unless ``multi_thread=True``; one thread should own
+a worker and everything created from it.
+
+Processes: never ``fork()`` after a :class:`UcpContext` exists (use the
+multiprocessing ``spawn`` context).  Handles used from another process id raise
+:class:`UcpError`.
+
+Struct layouts are written by hand for the UCX versions in
+:data:`VERIFIED_VERSIONS`; loading any other major.minor raises
+:class:`UcpUnavailableError` (override with ``KVTRANSPORT_UCX_ALLOW_UNVERIFIED=1``
+at your own risk).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import hashlib
+import os
+import select
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import warnings
+from array import array
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal, Union
+
+__all__ = [
+    "VERIFIED_VERSIONS",
+    "UcpError",
+    "UcpUnavailableError",
+    "UcpContext",
+    "UcpWorker",
+    "UcpMemory",
+    "UcpEndpoint",
+    "UcpRkey",
+    "ucx_version",
+    "is_available",
+    "load_error",
+    "library_path",
+    "batch_impl",
+]
+
+#: (major, minor) versions of libucp whose struct layouts were checked against
+#: the wheel's headers (see tests/backends/test_ucp_binding.py::test_struct_layouts).
+VERIFIED_VERSIONS: frozenset[tuple[int, int]] = frozenset({(1, 21), (1, 22)})
+
+# --------------------------------------------------------------------------- constants
+UCS_OK = 0
+UCS_INPROGRESS = 1
+UCS_ERR_BUSY = -15
+UCS_ERR_LAST = -100
+
+UCS_THREAD_MODE_SINGLE = 0
+UCS_THREAD_MODE_MULTI = 2
+
+UCS_MEMORY_TYPE_HOST = 0
+UCS_MEMORY_TYPE_CUDA = 1
+
+UCP_PARAM_FIELD_FEATURES = 1 << 0
+UCP_PARAM_FIELD_NAME = 1 << 8
+UCP_FEATURE_RMA = 1 << 1
+UCP_FEATURE_AMO64 = 1 << 3
+UCP_FEATURE_WAKEUP = 1 << 4
+
+UCP_WORKER_PARAM_FIELD_THREAD_MODE = 1 << 0
+
+UCP_EP_PARAM_FIELD_REMOTE_ADDRESS = 1 << 0
+UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE = 1 << 1
+UCP_ERR_HANDLING_MODE_NONE = 0
+UCP_ERR_HANDLING_MODE_PEER = 1
+
+UCP_MEM_MAP_PARAM_FIELD_ADDRESS = 1 << 0
+UCP_MEM_MAP_PARAM_FIELD_LENGTH = 1 << 1
+UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE = 1 << 4
+
+UCP_OP_ATTR_FIELD_DATATYPE = 1 << 3
+UCP_OP_ATTR_FIELD_FLAGS = 1 << 4
+
+UCP_EP_ATTR_FIELD_TRANSPORTS = 1 << 3
+
+UCP_ATOMIC_OP_ADD = 0
+UCP_DATATYPE_CONTIG = 0
+UCP_DATATYPE_SHIFT = 3
+
+
+def _dt_make_contig(elem_size: int) -> int:
+    return (elem_size << UCP_DATATYPE_SHIFT) | UCP_DATATYPE_CONTIG
+
+
+# --------------------------------------------------------------------------- structs
+c_u64 = ctypes.c_uint64
+c_vp = ctypes.c_void_p
+#: ``ucs_status_t`` is a *packed* enum: one signed byte, not an int.
+c_status = ctypes.c_int8
+
+
+class _UcpParams(ctypes.Structure):
+    """``ucp_params_t``."""
+
+    _fields_ = [
+        ("field_mask", c_u64),
+        ("features", c_u64),
+        ("request_size", ctypes.c_size_t),
+        ("request_init", c_vp),
+        ("request_cleanup", c_vp),
+        ("tag_sender_mask", c_u64),
+        ("mt_workers_shared", ctypes.c_int),
+        ("estimated_num_eps", ctypes.c_size_t),
+        ("estimated_num_ppn", ctypes.c_size_t),
+        ("name", ctypes.c_char_p),
+        ("node_local_id", ctypes.c_size_t),
+    ]
+
+
+class _UcsCpuSet(ctypes.Structure):
+    """``ucs_cpu_set_t`` (UCS_CPU_SETSIZE == 1024 bits)."""
+
+    _fields_ = [("ucs_bits", ctypes.c_ulong * (1024 // (8 * ctypes.sizeof(ctypes.c_ulong))))]
+
+
+class _UcpWorkerParams(ctypes.Structure):
+    """``ucp_worker_params_t``."""
+
+    _fields_ = [
+        ("field_mask", c_u64),
+        ("thread_mode", ctypes.c_int),
+        ("cpu_mask", _UcsCpuSet),
+        ("events", ctypes.c_uint),
+        ("user_data", c_vp),
+        ("event_fd", ctypes.c_int),
+        ("flags", c_u64),
+        ("name", ctypes.c_char_p),
+        ("am_alignment", ctypes.c_size_t),
+        ("client_id", c_u64),
+    ]
+
+
+class _UcpErrHandler(ctypes.Structure):
+    """``ucp_err_handler_t``."""
+
+    _fields_ = [("cb", c_vp), ("arg", c_vp)]
+
+
+class _UcsSockAddr(ctypes.Structure):
+    """``ucs_sock_addr_t``."""
+
+    _fields_ = [("addr", c_vp), ("addrlen", ctypes.c_uint32)]
+
+
+class _UcpEpParams(ctypes.Structure):
+    """``ucp_ep_params_t``."""
+
+    _fields_ = [
+        ("field_mask", c_u64),
+        ("address", c_vp),
+        ("err_mode", ctypes.c_int),
+        ("err_handler", _UcpErrHandler),
+        ("user_data", c_vp),
+        ("flags", ctypes.c_uint),
+        ("sockaddr", _UcsSockAddr),
+        ("conn_request", c_vp),
+        ("name", ctypes.c_char_p),
+        ("local_sockaddr", _UcsSockAddr),
+    ]
+
+
+class _UcpMemMapParams(ctypes.Structure):
+    """``ucp_mem_map_params_t``."""
+
+    _fields_ = [
+        ("field_mask", c_u64),
+        ("address", c_vp),
+        ("length", ctypes.c_size_t),
+        ("flags", ctypes.c_uint),
+        ("prot", ctypes.c_uint),
+        ("memory_type", ctypes.c_int),
+        ("exported_memh_buffer", c_vp),
+    ]
+
+
+class _UcpRequestParam(ctypes.Structure):
+    """``ucp_request_param_t`` (1.22 layout; 1.21 has the same prefix, and we
+    only ever set fields of that prefix)."""
+
+    _fields_ = [
+        ("op_attr_mask", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("request", c_vp),
+        ("cb", c_vp),
+        ("datatype", c_u64),
+        ("user_data", c_vp),
+        ("reply_buffer", c_vp),
+        ("memory_type", ctypes.c_int),
+        ("recv_info", c_vp),
+        ("memh", c_vp),
+        ("remote_datatype", c_u64),
+        ("remote", c_vp),
+        ("remote_count", ctypes.c_size_t),
+        ("_reserve", ctypes.c_uint64 * 8),  # slack: never read by us
+    ]
+
+
+class _UcpTransportEntry(ctypes.Structure):
+    """``ucp_transport_entry_t``."""
+
+    _fields_ = [("transport_name", ctypes.c_char_p), ("device_name", ctypes.c_char_p)]
+
+
+class _UcpTransports(ctypes.Structure):
+    """``ucp_transports_t``."""
+
+    _fields_ = [
+        ("entries", ctypes.POINTER(_UcpTransportEntry)),
+        ("num_entries", ctypes.c_uint),
+        ("entry_size", ctypes.c_size_t),
+    ]
+
+
+class _SockaddrStorage(ctypes.Structure):
+    """``struct sockaddr_storage`` (128 bytes, 8-byte aligned on Linux)."""
+
+    _fields_ = [("_data", ctypes.c_uint64 * 16)]
+
+
+class _UcpEpAttr(ctypes.Structure):
+    """``ucp_ep_attr_t``."""
+
+    _fields_ = [
+        ("field_mask", c_u64),
+        ("name", ctypes.c_char * 32),
+        ("local_sockaddr", _SockaddrStorage),
+        ("remote_sockaddr", _SockaddrStorage),
+        ("transports", _UcpTransports),
+        ("user_data", c_vp),
+    ]
+
+
+#: Offsets/sizes checked by the layout test against the installed headers.
+STRUCTS: dict[str, type[ctypes.Structure]] = {
+    "ucp_params_t": _UcpParams,
+    "ucp_worker_params_t": _UcpWorkerParams,
+    "ucp_ep_params_t": _UcpEpParams,
+    "ucp_mem_map_params_t": _UcpMemMapParams,
+    "ucp_request_param_t": _UcpRequestParam,
+    "ucp_transport_entry_t": _UcpTransportEntry,
+    "ucp_transports_t": _UcpTransports,
+    "ucp_ep_attr_t": _UcpEpAttr,
+}
+
+
+# --------------------------------------------------------------------------- errors
+class UcpError(RuntimeError):
+    """A UCP call failed.  ``status`` is the ``ucs_status_t`` (negative) or None."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class UcpUnavailableError(ImportError):
+    """libucp cannot be loaded (not installed, or an unverified version)."""
+
+
+# --------------------------------------------------------------------------- loading
+_INSTALL_HINT = (
+    "install PyPI's UCX wheel into this environment: `pip install ucxx-cu12` "
+    "(or just `pip install libucx-cu12`)"
+)
+
+
+class _Lib:
+    """The loaded libraries and typed function pointers."""
+
+    def __init__(self, ucp: ctypes.CDLL, ucs: ctypes.CDLL, path: str) -> None:
+        self.ucp = ucp
+        self.ucs = ucs
+        self.path = path
+        P = ctypes.POINTER
+        st = c_status
+
+        def fn(lib: ctypes.CDLL, name: str, restype: Any, *argtypes: Any) -> Any:
+            f = getattr(lib, name)
+            f.restype = restype
+            f.argtypes = list(argtypes)
+            return f
+
+        self.ucs_status_string = fn(ucs, "ucs_status_string", ctypes.c_char_p, st)
+        self.get_version = fn(ucp, "ucp_get_version", None, P(ctypes.c_uint), P(ctypes.c_uint), P(ctypes.c_uint))
+        self.config_read = fn(ucp, "ucp_config_read", st, ctypes.c_char_p, ctypes.c_char_p, P(c_vp))
+        self.config_modify = fn(ucp, "ucp_config_modify", st, c_vp, ctypes.c_char_p, ctypes.c_char_p)
+        self.config_release = fn(ucp, "ucp_config_release", None, c_vp)
+        self.init_version = fn(ucp, "ucp_init_version", st, ctypes.c_uint, ctypes.c_uint, P(_UcpParams), c_vp, P(c_vp))
+        self.cleanup = fn(ucp, "ucp_cleanup", None, c_vp)
+        self.worker_create = fn(ucp, "ucp_worker_create", st, c_vp, P(_UcpWorkerParams), P(c_vp))
+        self.worker_destroy = fn(ucp, "ucp_worker_destroy", None, c_vp)
+        self.worker_get_address = fn(ucp, "ucp_worker_get_address", st, c_vp, P(c_vp), P(ctypes.c_size_t))
+        self.worker_release_address = fn(ucp, "ucp_worker_release_address", None, c_vp, c_vp)
+        self.worker_progress = fn(ucp, "ucp_worker_progress", ctypes.c_uint, c_vp)
+        self.worker_get_efd = fn(ucp, "ucp_worker_get_efd", st, c_vp, P(ctypes.c_int))
+        self.worker_arm = fn(ucp, "ucp_worker_arm", st, c_vp)
+        self.worker_signal = fn(ucp, "ucp_worker_signal", st, c_vp)
+        self.mem_map = fn(ucp, "ucp_mem_map", st, c_vp, P(_UcpMemMapParams), P(c_vp))
+        self.mem_unmap = fn(ucp, "ucp_mem_unmap", st, c_vp, c_vp)
+        self.rkey_pack = fn(ucp, "ucp_rkey_pack", st, c_vp, c_vp, P(c_vp), P(ctypes.c_size_t))
+        self.rkey_buffer_release = fn(ucp, "ucp_rkey_buffer_release", None, c_vp)
+        self.ep_create = fn(ucp, "ucp_ep_create", st, c_vp, P(_UcpEpParams), P(c_vp))
+        self.ep_close_nbx = fn(ucp, "ucp_ep_close_nbx", c_vp, c_vp, P(_UcpRequestParam))
+        self.ep_flush_nbx = fn(ucp, "ucp_ep_flush_nbx", c_vp, c_vp, P(_UcpRequestParam))
+        self.ep_print_info = fn(ucp, "ucp_ep_print_info", None, c_vp, c_vp)
+        self.ep_query = fn(ucp, "ucp_ep_query", st, c_vp, P(_UcpEpAttr))
+        self.ep_rkey_unpack = fn(ucp, "ucp_ep_rkey_unpack", st, c_vp, c_vp, P(c_vp))
+        self.rkey_destroy = fn(ucp, "ucp_rkey_destroy", None, c_vp)
+        self.put_nbx = fn(ucp, "ucp_put_nbx", c_vp, c_vp, c_vp, ctypes.c_size_t, c_u64, c_vp, P(_UcpRequestParam))
+        self.atomic_op_nbx = fn(
+            ucp, "ucp_atomic_op_nbx", c_vp, c_vp, ctypes.c_int, c_vp, ctypes.c_size_t, c_u64, c_vp,
+            P(_UcpRequestParam),
+        )
+        self.request_check_status = fn(ucp, "ucp_request_check_status", st, c_vp)
+        self.request_free = fn(ucp, "ucp_request_free", None, c_vp)
+
+        major, minor, release = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_uint()
+        self.get_version(ctypes.byref(major), ctypes.byref(minor), ctypes.byref(release))
+        self.version: tuple[int, int, int] = (major.value, minor.value, release.value)
+
+        libc_name = ctypes.util.find_library("c") or "libc.so.6"
+        self.libc = ctypes.CDLL(libc_name)
+        self.open_memstream = fn(self.libc, "open_memstream", c_vp, P(c_vp), P(ctypes.c_size_t))
+        self.fclose = fn(self.libc, "fclose", ctypes.c_int, c_vp)
+        self.free = fn(self.libc, "free", None, c_vp)
+
+    def status_string(self, status: int) -> str:
+        s = self.ucs_status_string(status)
+        return s.decode() if s else f"ucs_status {status}"
+
+    def check(self, status: int, what: str) -> None:
+        if status != UCS_OK:
+            raise UcpError(f"{what} failed: {self.status_string(status)} ({status})", status)
+
+
+def _find_wheel_libucp() -> tuple[ctypes.CDLL, ctypes.CDLL, str]:
+    """Load libucp/libucs via the ``libucx`` wheel (or KVTRANSPORT_UCX_LIBDIR)."""
+    flags = ctypes.RTLD_LOCAL
+    libdir = os.environ.get("KVTRANSPORT_UCX_LIBDIR")
+    if libdir:
+        ucs_path = os.path.join(libdir, "libucs.so")
+        ucp_path = os.path.join(libdir, "libucp.so")
+        if not os.path.exists(ucp_path):
+            ucp_path += ".0"
+            ucs_path += ".0"
+        try:
+            ucs = ctypes.CDLL(ucs_path, flags)
+            return ctypes.CDLL(ucp_path, flags), ucs, ucp_path
+        except OSError as e:
+            raise UcpUnavailableError(f"KVTRANSPORT_UCX_LIBDIR={libdir!r}: cannot load libucp: {e}") from e
+    try:
+        import libucx  # type: ignore[import-not-found,import-untyped]
+    except ImportError as e:
+        raise UcpUnavailableError(f"libucp not found (no `libucx` package): {_INSTALL_HINT}") from e
+    try:
+        # Preloads libucs, libucs_signal, libuct, libucp in dependency order
+        # (RTLD_LOCAL), honouring RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY.
+        loaded = [h for h in libucx.load_library() if h is not None]
+    except OSError as e:
+        raise UcpUnavailableError(f"libucx.load_library() failed: {e}; {_INSTALL_HINT}") from e
+    by_name: dict[str, ctypes.CDLL] = {os.path.basename(h._name).split(".so")[0]: h for h in loaded}
+    ucp, ucs = by_name.get("libucp"), by_name.get("libucs")
+    if ucp is None or ucs is None:
+        raise UcpUnavailableError(f"the libucx package did not provide libucp/libucs; {_INSTALL_HINT}")
+    return ucp, ucs, str(ucp._name)
+
+
+_lib: _Lib | None = None
+_lib_error: BaseException | None = None
+_lib_lock = threading.Lock()
+
+
+def _load() -> _Lib:
+    """Load (once) and return the library; raise UcpUnavailableError if impossible."""
+    global _lib, _lib_error
+    if _lib is not None:
+        return _lib
+    with _lib_lock:
+        if _lib is not None:
+            return _lib
+        if _lib_error is not None:
+            raise UcpUnavailableError(str(_lib_error)) from _lib_error
+        try:
+            ucp, ucs, path = _find_wheel_libucp()
+            lib = _Lib(ucp, ucs, path)
+            if lib.version[:2] not in VERIFIED_VERSIONS and os.environ.get("KVTRANSPORT_UCX_ALLOW_UNVERIFIED") != "1":
+                verified = ", ".join(f"{a}.{b}" for a, b in sorted(VERIFIED_VERSIONS))
+                raise UcpUnavailableError(
+                    f"libucp {'.'.join(map(str, lib.version))} at {path} is not a version whose struct layouts "
+                    f"kvtransport_ucx verified ({verified}); install a matching wheel, e.g. "
+                    f"`pip install 'libucx-cu12>=1.21,<1.23'`, or set KVTRANSPORT_UCX_ALLOW_UNVERIFIED=1 at your risk"
+                )
+        except (UcpUnavailableError, OSError, AttributeError) as e:
+            _lib_error = e
+            if isinstance(e, UcpUnavailableError):
+                raise
+            raise UcpUnavailableError(f"cannot load libucp: {e}; {_INSTALL_HINT}") from e
+        _lib = lib
+        return lib
+
+
+def is_available() -> bool:
+    """True if a verified libucp can be loaded (loads it as a side effect)."""
+    try:
+        _load()
+        return True
+    except UcpUnavailableError:
+        return False
+
+
+def load_error() -> str | None:
+    """Why libucp cannot be loaded, or None if it can."""
+    try:
+        _load()
+        return None
+    except UcpUnavailableError as e:
+        return str(e)
+
+
+def ucx_version() -> tuple[int, int, int]:
+    """(major, minor, release) of the loaded libucp.  Raises UcpUnavailableError."""
+    return _load().version
+
+
+def library_path() -> str:
+    """Filesystem path of the loaded libucp.  Raises UcpUnavailableError."""
+    return _load().path
+
+
+# --------------------------------------------------------------------------- batch helper
+_HELPER_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ucp_batch.c")
+_helper: Any = None
+_helper_tried = False
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("KVTRANSPORT_UCX_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvtransport_ucx"
+    )
+    return base
+
+
+def _load_helper() -> Any:
+    """Compile (once, cached by source hash) and load the C batch helper; None on failure."""
+    global _helper, _helper_tried
+    if _helper_tried:
+        return _helper
+    _helper_tried = True
+    if os.environ.get("KVTRANSPORT_UCX_NO_C_HELPER") == "1":
+        return None
+    try:
+        with open(_HELPER_SRC, "rb") as fh:
+            src = fh.read()
+        tag = hashlib.sha1(src + sys.platform.encode() + (sysconfig.get_config_var("MULTIARCH") or "").encode())
+        out_dir = _cache_dir()
+        so_path = os.path.join(out_dir, f"_ucp_batch-{tag.hexdigest()[:16]}.so")
+        if not os.path.exists(so_path):
+            cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+            if shutil.which(cc) is None:
+                cc = "cc"
+            os.makedirs(out_dir, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+            os.close(fd)
+            try:
+                subprocess.run(
+                    [cc, "-O2", "-shared", "-fPIC", "-o", tmp, _HELPER_SRC],
+                    check=True, capture_output=True, timeout=60,
+                )
+                os.replace(tmp, so_path)  # atomic: concurrent builders are fine
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        h = ctypes.CDLL(so_path)
+        f = h.kvt_put_batch
+        f.restype = ctypes.c_int64
+        f.argtypes = [c_vp, c_vp, c_vp, c_vp, c_vp, c_vp, c_vp, c_vp, c_u64, ctypes.c_size_t,
+                      ctypes.POINTER(ctypes.c_int64)]
+        _helper = f
+    except (OSError, subprocess.SubprocessError, AttributeError) as e:
+        warnings.warn(f"kvtransport_ucx: C batch helper unavailable ({e}); put_batch falls back to a Python loop",
+                      RuntimeWarning, stacklevel=3)
+        _helper = None
+    return _helper
+
+
+def batch_impl() -> Literal["c", "python"]:
+    """Which put_batch implementation is in use ("c" needs a C compiler once)."""
+    return "c" if _load_helper() is not None else "python"
+
+
+# --------------------------------------------------------------------------- helpers
+#: array('Q'), numpy uint64 array, any 1-D uint64 buffer, or a sequence of ints.
+U64Array = Union["array[int]", memoryview, Sequence[int], Any]
+
+
+def _as_u64(values: U64Array, name: str) -> tuple[Any, int, int]:
+    """Return (keepalive, address, count) for a contiguous native uint64 view of ``values``."""
+    try:
+        mv = memoryview(values)  # type: ignore[arg-type]
+    except TypeError:
+        arr = array("Q", values)
+        return arr, arr.buffer_info()[0], len(arr)
+    if mv.itemsize != 8 or mv.format.lstrip("@=<") not in ("Q", "L") or mv.ndim != 1:
+        try:
+            arr = array("Q", mv.tolist())
+        except (TypeError, OverflowError) as e:
+            raise TypeError(f"{name}: expected 1-D uint64 values, got format {mv.format!r}") from e
+        return arr, arr.buffer_info()[0], len(arr)
+    if not mv.c_contiguous or mv.readonly:
+        arr = array("Q", mv.cast("B").cast("Q") if mv.c_contiguous else mv.tolist())
+        return arr, arr.buffer_info()[0], len(arr)
+    n = mv.shape[0] if mv.shape else 0
+    if n == 0:
+        return mv, 0, 0
+    carr = (ctypes.c_uint64 * n).from_buffer(mv)
+    return (mv, carr), ctypes.addressof(carr), n
+
+
+class _Handle:
+    """Base: owns a C handle, remembers the creating pid."""
+
+    _what = "handle"
+
+    def __init__(self, lib: _Lib, handle: int | None) -> None:
+        self._lib = lib
+        self._h: int | None = handle
+        self._pid = os.getpid()
+
+    @property
+    def closed(self) -> bool:
+        return self._h is None
+
+    def _handle(self) -> int:
+        h = self._h
+        if h is None:
+            raise UcpError(f"{self._what} is closed")
+        if os.getpid() != self._pid:
+            raise UcpError(f"{self._what} was created in process {self._pid}; UCX handles cannot cross fork()")
+        return h
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def __del__(self) -> None:
+        # Only release in the owning process; never raise from __del__.
+        try:
+            if self._h is not None and os.getpid() == self._pid and not sys.is_finalizing():
+                self.close()
+        except Exception:
+            pass
+
+
+# --------------------------------------------------------------------------- context
+class UcpContext(_Handle):
+    """A UCP context with features RMA | AMO64 | WAKEUP.
+
+    Blocking (``ucp_init``).  ``net_devices`` / ``tls`` set ``NET_DEVICES`` /
+    ``TLS`` on this context's config (``ucp_config_modify``; ``os.environ`` is
+    not touched, but ``UCX_*`` variables already in the environment are still
+    read).  ``enable_cuda=False`` with ``tls=None`` excludes the CUDA
+    transports (``TLS=^cuda``); ``config`` sets further options by name without
+    the ``UCX_`` prefix.  Raises UcpUnavailableError / UcpError.
+    """
+
+    _what = "UcpContext"
+
+    def __init__(
+        self,
+        *,
+        net_devices: str | None = None,
+        tls: str | None = None,
+        enable_cuda: bool = False,
+        config: Mapping[str, str] | None = None,
+        name: str = "kvtransport",
+    ) -> None:
+        lib = _load()
+        super().__init__(lib, None)
+        self._workers: list[UcpWorker] = []
+        self._memories: list[UcpMemory] = []
+        self.enable_cuda = enable_cuda
+        opts: dict[str, str] = {}
+        if net_devices is not None:
+            opts["NET_DEVICES"] = net_devices
+        if tls is not None:
+            opts["TLS"] = tls
+        elif not enable_cuda:
+            opts["TLS"] = "^cuda"
+        for k, v in (config or {}).items():
+            opts[k[4:] if k.startswith("UCX_") else k] = v
+        cfg = c_vp()
+        lib.check(lib.config_read(None, None, ctypes.byref(cfg)), "ucp_config_read")
+        try:
+            for k, v in opts.items():
+                lib.check(lib.config_modify(cfg, k.encode(), v.encode()), f"ucp_config_modify({k}={v!r})")
+            params = _UcpParams()
+            params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME
+            params.features = UCP_FEATURE_RMA | UCP_FEATURE_AMO64 | UCP_FEATURE_WAKEUP
+            self._name = name.encode()
+            params.name = self._name
+            h = c_vp()
+            major, minor, _ = lib.version
+            lib.check(lib.init_version(major, minor, ctypes.byref(params), cfg, ctypes.byref(h)), "ucp_init")
+        finally:
+            lib.config_release(cfg)
+        self._h = h.value
+        self.options: dict[str, str] = opts
+
+    def create_worker(self, *, multi_thread: bool = False) -> UcpWorker:
+        """Create a worker (blocking).  Raises UcpError."""
+        w = UcpWorker(self, multi_thread=multi_thread)
+        self._workers.append(w)
+        return w
+
+    def mem_map(self, addr: int, length: int, *, memory_type: Literal["host", "cuda"] | None = None) -> UcpMemory:
+        """Register ``[addr, addr+length)`` for remote access (blocking).
+
+        The memory must stay allocated until :meth:`UcpMemory.unmap`.
+        ``memory_type=None`` lets UCX detect it.  Raises UcpError/ValueError.
+        """
+        m = UcpMemory(self, addr, length, memory_type)
+        self._memories.append(m)
+        return m
+
+    def close(self) -> None:
+        """Close workers (and their endpoints), unmap memory, ``ucp_cleanup``.  Idempotent."""
+        if self._h is None or os.getpid() != self._pid:
+            self._h = None
+            return
+        for w in list(self._workers):
+            w.close()
+        for m in list(self._memories):
+            m.unmap()
+        h, self._h = self._h, None
+        self._lib.cleanup(h)
+
+
+# --------------------------------------------------------------------------- memory
+class UcpMemory(_Handle):
+    """Registered memory region (``ucp_mem_map``).  Not thread-safe."""
+
+    _what = "UcpMemory"
+
+    def __init__(self, ctx: UcpContext, addr: int, length: int, memory_type: str | None) -> None:
+        lib = ctx._lib
+        super().__init__(lib, None)
+        if length <= 0:
+            raise ValueError("length must be > 0")
+        if addr <= 0:
+            raise ValueError("addr must be a non-null address")
+        self._ctx = ctx
+        self.address = int(addr)
+        self.length = int(length)
+        p = _UcpMemMapParams()
+        p.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH
+        p.address = self.address
+        p.length = self.length
+        if memory_type is not None:
+            p.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE
+            p.memory_type = {"host": UCS_MEMORY_TYPE_HOST, "cuda": UCS_MEMORY_TYPE_CUDA}[memory_type]
+        h = c_vp()
+        lib.check(lib.mem_map(ctx._handle(), ctypes.byref(p), ctypes.byref(h)), "ucp_mem_map")
+        self._h = h.value
+
+    def pack_rkey(self) -> bytes:
+        """Serialize the remote key for this region (blocking, local).  Raises UcpError."""
+        lib = self._lib
+        buf, size = c_vp(), ctypes.c_size_t()
+        lib.check(lib.rkey_pack(self._ctx._handle(), self._handle(), ctypes.byref(buf), ctypes.byref(size)),
+                  "ucp_rkey_pack")
+        try:
+            return ctypes.string_at(buf.value, size.value)  # type: ignore[arg-type]
+        finally:
+            lib.rkey_buffer_release(buf)
+
+    def unmap(self) -> None:
+        """Deregister (blocking).  Idempotent.  Peers must not access it afterwards."""
+        if self._h is None or os.getpid() != self._pid:
+            self._h = None
+            return
+        h, self._h = self._h, None
+        try:
+            self._ctx._memories.remove(self)
+        except ValueError:
+            pass
+        if self._ctx._h is not None:
+            self._lib.check(self._lib.mem_unmap(self._ctx._h, h), "ucp_mem_unmap")
+
+    close = unmap
+
+
+# --------------------------------------------------------------------------- worker
+class UcpWorker(_Handle):
+    """A UCP worker: progress engine, address, endpoints.  Not thread-safe."""
+
+    _what = "UcpWorker"
+
+    def __init__(self, ctx: UcpContext, *, multi_thread: bool = False) -> None:
+        lib = ctx._lib
+        super().__init__(lib, None)
+        self._ctx = ctx
+        self._endpoints: list[UcpEndpoint] = []
+        self._efd: int | None = None
+        self._address: bytes | None = None
+        p = _UcpWorkerParams()
+        p.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE
+        p.thread_mode = UCS_THREAD_MODE_MULTI if multi_thread else UCS_THREAD_MODE_SINGLE
+        h = c_vp()
+        lib.check(lib.worker_create(ctx._handle(), ctypes.byref(p), ctypes.byref(h)), "ucp_worker_create")
+        self._h = h.value
+
+    @property
+    def context(self) -> UcpContext:
+        return self._ctx
+
+    def address(self) -> bytes:
+        """This worker's address blob, to give to peers (cached).  Raises UcpError."""
+        if self._address is None:
+            lib = self._lib
+            h = self._handle()
+            a, n = c_vp(), ctypes.c_size_t()
+            lib.check(lib.worker_get_address(h, ctypes.byref(a), ctypes.byref(n)), "ucp_worker_get_address")
+            try:
+                self._address = ctypes.string_at(a.value, n.value)  # type: ignore[arg-type]
+            finally:
+                lib.worker_release_address(h, a)
+        return self._address
+
+    def progress(self) -> int:
+        """Non-blocking: run one round of progress; returns the number of events processed."""
+        return int(self._lib.worker_progress(self._handle()))
+
+    def fileno(self) -> int:
+        """The worker's event fd (``ucp_worker_get_efd``), for select/poll/asyncio.
+
+        Arm with :meth:`arm` before sleeping on it.
+        """
+        if self._efd is None:
+            fd = ctypes.c_int()
+            self._lib.check(self._lib.worker_get_efd(self._handle(), ctypes.byref(fd)), "ucp_worker_get_efd")
+            self._efd = fd.value
+        return self._efd
+
+    def arm(self) -> bool:
+        """``ucp_worker_arm``: True if armed (safe to sleep on fileno()), False if events are pending."""
+        st = self._lib.worker_arm(self._handle())
+        if st == UCS_ERR_BUSY:
+            return False
+        self._lib.check(st, "ucp_worker_arm")
+        return True
+
+    def wait_for_events(self, timeout_s: float | None) -> bool:
+        """Blocking up to ``timeout_s`` (None = forever) with no CPU use while idle.
+
+        Progresses, arms the worker, and sleeps in ``poll()`` on its event fd.
+        Returns True if there was activity (progress made or fd signalled),
+        False on timeout.  Raises UcpError.
+        """
+        fd = self.fileno()
+        made = 0
+        for _ in range(1000):
+            n = self.progress()
+            if n == 0:
+                break
+            made += n
+        if made:
+            return True
+        if not self.arm():
+            self.progress()
+            return True
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        ms = None if timeout_s is None else max(0, int(timeout_s * 1000))
+        while True:
+            try:
+                ready = poller.poll(ms)
+                break
+            except InterruptedError:  # pragma: no cover - PEP 475 retries already
+                continue
+        if ready:
+            self.progress()
+            return True
+        return False
+
+    def signal(self) -> None:
+        """Wake up a thread sleeping in :meth:`wait_for_events` (thread-safe per UCX)."""
+        h = self._h
+        if h is not None:
+            self._lib.check(self._lib.worker_signal(h), "ucp_worker_signal")
+
+    def mem_map(self, addr: int, length: int, *, memory_type: Literal["host", "cuda"] | None = None) -> UcpMemory:
+        """Same as :meth:`UcpContext.mem_map` (registration is per context)."""
+        return self._ctx.mem_map(addr, length, memory_type=memory_type)
+
+    def create_endpoint(self, remote_worker_address: bytes, *, peer_error_handling: bool = False) -> UcpEndpoint:
+        """Connect to a peer worker by its :meth:`address` blob (non-blocking wire-up).
+
+        Keep ``peer_error_handling=False`` inside a host: the peer error mode
+        restricts UCX to TCP (no shared memory / CMA).  Raises UcpError.
+        """
+        ep = UcpEndpoint(self, bytes(remote_worker_address), peer_error_handling)
+        self._endpoints.append(ep)
+        return ep
+
+    def close(self) -> None:
+        """Close endpoints (flush mode, bounded), destroy the worker.  Idempotent."""
+        if self._h is None or os.getpid() != self._pid:
+            self._h = None
+            return
+        for ep in list(self._endpoints):
+            ep.close()
+        h, self._h = self._h, None
+        try:
+            self._ctx._workers.remove(self)
+        except ValueError:
+            pass
+        self._lib.worker_destroy(h)
+
+
+# --------------------------------------------------------------------------- endpoint
+class UcpRkey(_Handle):
+    """An unpacked remote key, valid for the endpoint that unpacked it."""
+
+    _what = "UcpRkey"
+
+    def __init__(self, ep: UcpEndpoint, packed: bytes) -> None:
+        lib = ep._lib
+        super().__init__(lib, None)
+        self._ep = ep
+        buf = ctypes.create_string_buffer(packed, len(packed))
+        h = c_vp()
+        lib.check(lib.ep_rkey_unpack(ep._handle(), buf, ctypes.byref(h)), "ucp_ep_rkey_unpack")
+        self._h = h.value
+
+    def close(self) -> None:
+        """``ucp_rkey_destroy``.  Idempotent."""
+        if self._h is None or os.getpid() != self._pid:
+            self._h = None
+            return
+        h, self._h = self._h, None
+        try:
+            self._ep._rkeys.remove(self)
+        except ValueError:
+            pass
+        self._lib.rkey_destroy(h)
+
+    destroy = close
+
+
+def _wait_request(worker: UcpWorker, req: int | None, timeout_s: float, what: str) -> None:
+    """Progress ``worker`` until ``req`` completes; free it.  TimeoutError/UcpError."""
+    lib = worker._lib
+    if req is None:
+        return
+    if req >= (1 << 64) + UCS_ERR_LAST:
+        status = req - (1 << 64)
+        raise UcpError(f"{what} failed: {lib.status_string(status)} ({status})", status)
+    deadline = time.monotonic() + timeout_s
+    spin_until = time.monotonic() + min(0.002, timeout_s)
+    try:
+        while True:
+            worker.progress()
+            st = lib.request_check_status(req)
+            if st != UCS_INPROGRESS:
+                lib.check(st, what)
+                return
+            now = time.monotonic()
+            if now >= deadline:
+                raise TimeoutError(f"{what} did not complete within {timeout_s} s")
+            if now >= spin_until:
+                worker.wait_for_events(min(0.005, deadline - now))
+    finally:
+        lib.request_free(req)
+
+
+class UcpEndpoint(_Handle):
+    """Endpoint to one peer worker.  All operations use the creating worker."""
+
+    _what = "UcpEndpoint"
+
+    def __init__(self, worker: UcpWorker, remote_address: bytes, peer_error_handling: bool) -> None:
+        lib = worker._lib
+        super().__init__(lib, None)
+        self._worker = worker
+        self._rkeys: list[UcpRkey] = []
+        addr_buf = ctypes.create_string_buffer(remote_address, len(remote_address))
+        p = _UcpEpParams()
+        p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+        p.address = ctypes.addressof(addr_buf)
+        p.err_mode = UCP_ERR_HANDLING_MODE_PEER if peer_error_handling else UCP_ERR_HANDLING_MODE_NONE
+        h = c_vp()
+        lib.check(lib.ep_create(worker._handle(), ctypes.byref(p), ctypes.byref(h)), "ucp_ep_create")
+        self._h = h.value
+        self._param0 = _UcpRequestParam()  # op_attr_mask = 0: no callback, contig bytes
+        self._param0_ref = ctypes.byref(self._param0)
+        self._put_fn_addr = ctypes.cast(lib.put_nbx, c_vp).value
+        self._free_fn_addr = ctypes.cast(lib.request_free, c_vp).value
+
+    @property
+    def worker(self) -> UcpWorker:
+        return self._worker
+
+    def unpack_rkey(self, packed: bytes) -> UcpRkey:
+        """Unpack a peer's :meth:`UcpMemory.pack_rkey` blob (local, blocking).  Raises UcpError."""
+        rk = UcpRkey(self, bytes(packed))
+        self._rkeys.append(rk)
+        return rk
+
+    def _raise_ptr(self, req: int, what: str) -> None:
+        status = req - (1 << 64)
+        raise UcpError(f"{what} failed: {self._lib.status_string(status)} ({status})", status)
+
+    def put(self, local_addr: int, length: int, remote_addr: int, rkey: UcpRkey) -> None:
+        """Non-blocking put of ``length`` bytes from ``local_addr`` to ``remote_addr``.
+
+        The local buffer must stay unchanged until :meth:`flush` returns
+        (which also guarantees remote completion).  Raises UcpError.
+        """
+        req = self._lib.put_nbx(self._handle(), local_addr, length, remote_addr, rkey._handle(), self._param0_ref)
+        if req:
+            if req >= (1 << 64) + UCS_ERR_LAST:
+                self._raise_ptr(req, "ucp_put_nbx")
+            self._lib.request_free(req)
+
+    def put_batch(self, local_addrs: U64Array, remote_addrs: U64Array, lengths: U64Array | int,
+                  rkey: UcpRkey) -> None:
+        """Non-blocking: issue ``len(local_addrs)`` puts with one rkey.
+
+        Arrays: ``array('Q')``, numpy ``uint64`` (C-contiguous: zero-copy),
+        any uint64 buffer, or a sequence of ints; ``lengths`` may be one int.
+        The loop runs in a small compiled helper (see :func:`batch_impl`).
+        Same buffer rules as :meth:`put`.  Raises ValueError / UcpError (puts
+        before the failing index were issued).
+        """
+        ep = self._handle()
+        rk = rkey._handle()
+        keep_l, p_local, n = _as_u64(local_addrs, "local_addrs")
+        keep_r, p_remote, nr = _as_u64(remote_addrs, "remote_addrs")
+        if nr != n:
+            raise ValueError(f"local_addrs has {n} entries but remote_addrs has {nr}")
+        scalar_len = 0
+        p_lens: int | None = None
+        keep_n: Any = None
+        if isinstance(lengths, int):
+            scalar_len = lengths
+        else:
+            keep_n, p_lens, nl = _as_u64(lengths, "lengths")
+            if nl != n:
+                raise ValueError(f"local_addrs has {n} entries but lengths has {nl}")
+        if n == 0:
+            return
+        helper = _load_helper()
+        if helper is not None:
+            err = ctypes.c_int64(0)
+            done = helper(self._put_fn_addr, self._free_fn_addr, ep, rk, ctypes.addressof(self._param0),
+                          p_local, p_remote, p_lens, scalar_len, n, ctypes.byref(err))
+            del keep_l, keep_r, keep_n
+            if done != n:
+                raise UcpError(f"ucp_put_nbx failed at batch index {done}: {self._lib.status_string(err.value)}",
+                               err.value)
+            return
+        loc = (ctypes.c_uint64 * n).from_address(p_local)
+        rem = (ctypes.c_uint64 * n).from_address(p_remote)
+        lens: Iterable[int] = (ctypes.c_uint64 * n).from_address(p_lens) if p_lens else [scalar_len] * n
+        for la, ra, ln in zip(loc, rem, lens):
+            self.put(la, ln, ra, rkey)
+        del keep_l, keep_r, keep_n
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Blocking: wait until every earlier put/atomic on this endpoint is remotely complete.
+
+        Progresses the worker (spinning ~2 ms, then sleeping on its event fd).
+        Raises TimeoutError after ``timeout_s`` (the flush request is released
+        and completes in the background; call flush again later), UcpError on
+        failure.
+        """
+        req = self._lib.ep_flush_nbx(self._handle(), self._param0_ref)
+        _wait_request(self._worker, req, timeout_s, "ucp_ep_flush_nbx")
+
+    def atomic_add64(self, remote_addr: int, rkey: UcpRkey, value: int, timeout_s: float = 30.0) -> None:
+        """Post an atomic 64-bit add at ``remote_addr`` (8-byte aligned).
+
+        Blocks only until local completion (the operand is copied); remote
+        visibility is guaranteed after :meth:`flush`.  Raises UcpError /
+        TimeoutError.
+        """
+        operand = ctypes.c_uint64(value & 0xFFFFFFFFFFFFFFFF)
+        p = _UcpRequestParam()
+        p.op_attr_mask = UCP_OP_ATTR_FIELD_DATATYPE
+        p.datatype = _dt_make_contig(8)
+        req = self._lib.atomic_op_nbx(self._handle(), UCP_ATOMIC_OP_ADD, ctypes.addressof(operand), 1,
+                                      remote_addr, rkey._handle(), ctypes.byref(p))
+        _wait_request(self._worker, req, timeout_s, "ucp_atomic_op_nbx")
+
+    def transports(self) -> str:
+        """Human-readable lane/transport description (``ucp_ep_print_info``).
+
+        Look for ``cma``/``sysv``/``posix`` vs ``tcp`` in it.  Local, blocking.
+        """
+        lib = self._lib
+        h = self._handle()
+        buf, size = c_vp(), ctypes.c_size_t()
+        stream = lib.open_memstream(ctypes.byref(buf), ctypes.byref(size))
+        if not stream:
+            raise UcpError("open_memstream failed")
+        try:
+            lib.ep_print_info(h, stream)
+        finally:
+            lib.fclose(stream)
+        try:
+            return ctypes.string_at(buf.value, size.value).decode(errors="replace")  # type: ignore[arg-type]
+        finally:
+            lib.free(buf)
+
+    def transport_list(self) -> list[tuple[str, str]]:
+        """(transport, device) per lane via ``ucp_ep_query``, e.g. ``[("cma", "memory"), ...]``."""
+        entries = (_UcpTransportEntry * 32)()
+        attr = _UcpEpAttr()
+        attr.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS
+        attr.transports.entries = ctypes.cast(entries, ctypes.POINTER(_UcpTransportEntry))
+        attr.transports.num_entries = len(entries)
+        attr.transports.entry_size = ctypes.sizeof(_UcpTransportEntry)
+        self._lib.check(self._lib.ep_query(self._handle(), ctypes.byref(attr)), "ucp_ep_query")
+        out = []
+        for i in range(min(attr.transports.num_entries, len(entries))):
+            e = entries[i]
+            out.append(((e.transport_name or b"").decode(), (e.device_name or b"").decode()))
+        return out
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Destroy rkeys and close the endpoint in flush mode (blocking, bounded).
+
+        On timeout a RuntimeWarning is issued and the endpoint is left for
+        ``ucp_worker_destroy`` to reclaim.  Idempotent; never raises UcpError.
+        """
+        if self._h is None or os.getpid() != self._pid:
+            self._h = None
+            return
+        for rk in list(self._rkeys):
+            rk.close()
+        h, self._h = self._h, None
+        try:
+            self._worker._endpoints.remove(self)
+        except ValueError:
+            pass
+        if self._worker._h is None:
+            return
+        req = self._lib.ep_close_nbx(h, self._param0_ref)
+        try:
+            _wait_request(self._worker, req, timeout_s, "ucp_ep_close_nbx")
+        except (TimeoutError, UcpError) as e:
+            warnings.warn(f"UcpEndpoint.close: {e}", RuntimeWarning, stacklevel=2)

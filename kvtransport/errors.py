@@ -1,0 +1,109 @@
+"""The kvtransport exception tree.
+
+Every error raised by kvtransport (core or backend) is a subclass of :class:`KVTransportError`;
+backends translate their library's failures into these types so callers never have to catch a
+backend-specific exception::
+
+    KVTransportError
+    ├── ConfigurationError          bad option / environment value (names the fix)
+    │   ├── UnknownBackend          KV_TRANSPORT names a backend that is not installed
+    │   ├── BackendUnavailable      installed, but cannot run here (the reason says why)
+    │   └── InterfaceNotFound       NET_IFNAME names no interface (lists the ones present)
+    ├── LayoutError                 a KV cache that cannot be described / used as given
+    ├── InvalidBlockIds             block id lists rejected before any byte moves
+    ├── ProtocolError               malformed, truncated, oversized or unauthenticated wire data
+    │   └── VersionMismatch         peer speaks another wire/metadata version
+    ├── IncompatiblePeer            peer's layout / backend / capacity does not match ours
+    ├── TransferError               a transfer did not complete
+    │   ├── TransferTimeout         a bounded wait ran out
+    │   ├── PeerDisconnected        the peer went away; its in-flight sequences failed
+    │   ├── SequenceAborted         the sequence was released/cancelled while in flight
+    │   └── SlotsExhausted          the receiver's sequence table is full (back-pressure)
+    └── CommClosed                  the CommManager was closed
+"""
+
+from __future__ import annotations
+
+
+class KVTransportError(Exception):
+    """Base of every kvtransport error."""
+
+
+class ConfigurationError(KVTransportError):
+    """An option or environment variable has a value we cannot use; the message names the fix."""
+
+
+class UnknownBackend(ConfigurationError):
+    """The requested backend name is not registered."""
+
+
+class BackendUnavailable(ConfigurationError):
+    """The backend is registered but cannot run on this machine (the message says why)."""
+
+
+class InterfaceNotFound(ConfigurationError):
+    """NET_IFNAME (or ``ifname=``) names an interface that does not exist or has no address."""
+
+
+class LayoutError(KVTransportError):
+    """The KV cache cannot be described as per-layer block regions, or is used inconsistently."""
+
+
+class InvalidBlockIds(KVTransportError):
+    """Block id lists are malformed (length mismatch, negative, duplicate destination, out of range)."""
+
+
+class ProtocolError(KVTransportError):
+    """Wire data is malformed, truncated, oversized or fails authentication."""
+
+
+class VersionMismatch(ProtocolError):
+    """The peer uses a different wire/metadata version."""
+
+
+class IncompatiblePeer(KVTransportError):
+    """The peer's KV layout, backend or settings are incompatible with ours; nothing was moved."""
+
+
+class TransferError(KVTransportError):
+    """A transfer did not complete."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """A bounded wait ran out before the awaited event happened."""
+
+
+class PeerDisconnected(TransferError):
+    """The peer disconnected or became unreachable; sequences in flight with it failed."""
+
+
+class SequenceAborted(TransferError):
+    """The sequence was released or cancelled before it completed."""
+
+
+class SlotsExhausted(TransferError):
+    """The receiving side has no free sequence slot (capacity is part of the handshake)."""
+
+
+class CommClosed(KVTransportError):
+    """The CommManager was closed; no further operations are possible."""
+
+
+__all__ = [
+    "BackendUnavailable",
+    "CommClosed",
+    "ConfigurationError",
+    "IncompatiblePeer",
+    "InterfaceNotFound",
+    "InvalidBlockIds",
+    "KVTransportError",
+    "LayoutError",
+    "PeerDisconnected",
+    "ProtocolError",
+    "SequenceAborted",
+    "SlotsExhausted",
+    "TransferError",
+    "TransferTimeout",
+    "UnknownBackend",
+    "VersionMismatch",
+]

@@ -1,0 +1,610 @@
+"""The CommManager: layer puts, per-sequence semaphores and block coalescing over any backend.
+
+Roles: the *sender* (e.g. a prefill worker) calls ``connect(peer_metadata)`` and then ``put_layer`` /
+``signal_layer`` / ``signal`` towards that peer; the *receiver* (e.g. a decode worker) hands out
+``metadata()`` and calls ``wait`` / ``wait_layer`` / ``poll`` / ``release``. One manager can play both roles
+with many peers. Control messages travel over a TCP side channel bound to NET_IFNAME's address (loopback
+by default), in order; bytes travel over the backend.
+
+Threads: one accept thread, one thread per inbound peer (receives control frames and, for two-sided
+backends, the data), one reader thread per outbound peer (error reports from the receiver) and, for
+one-sided backends, one signaller thread per outbound peer (flush, then signal, off the caller's path).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import wire
+from .backend import InboundLink, OutboundLink, PeerInfo, Transport
+from .coalesce import BlockRun, coalesce, single_runs
+from .config import Settings
+from .errors import (
+    CommClosed,
+    IncompatiblePeer,
+    InvalidBlockIds,
+    KVTransportError,
+    PeerDisconnected,
+    ProtocolError,
+    SlotsExhausted,
+    TransferError,
+    TransferTimeout,
+)
+from .layout import KVLayout
+from .semaphores import SeqId, SequenceTable
+from .sidechannel import FramedSocket
+from .wire import FrameType
+
+log = logging.getLogger("kvtransport")
+
+
+@dataclass
+class Stats:
+    """Counters of one manager (``cm.stats()`` returns them as a dict)."""
+
+    puts: int = 0
+    runs: int = 0
+    pieces: int = 0
+    bytes_sent: int = 0
+    signals: int = 0
+    puts_received: int = 0
+    bytes_received: int = 0
+    sequences_completed: int = 0
+    failures: int = 0
+    refused_peers: int = 0
+
+
+@dataclass(eq=False)
+class Peer:
+    """A link to one receiving peer, returned by :meth:`CommManager.connect`."""
+
+    instance: str
+    host: str
+    port: int
+    backend: str
+    path: str
+    """The data path in use, in words (what a user needs to know: e.g. NVLink vs TCP)."""
+    layout: KVLayout = field(repr=False)
+    _state: _Outbound = field(repr=False)
+
+
+class CommManager:
+    """See the module docstring. Create with :func:`kvtransport.open`; use as a context manager."""
+
+    def __init__(self, layout: KVLayout, settings: Settings, transport: Transport) -> None:
+        self.layout = layout
+        self.settings = settings
+        self.transport = transport
+        self.backend = transport.name
+        self.capabilities = transport.capabilities
+        self.instance = secrets.token_hex(8)
+        self._table = SequenceTable(settings.capacity, layout.num_layers)
+        self._stats = Stats()
+        self._stats_lock = threading.Lock()
+        self._closed = False
+        self._lock = threading.Lock()
+        self._outbound: list[_Outbound] = []
+        self._inbound: dict[int, _Inbound] = {}
+        self._threads: list[threading.Thread] = []
+        self._server = socket.create_server((settings.address, settings.port), reuse_port=False)
+        self._server.settimeout(None)
+        self.host, self.port = self._server.getsockname()[:2]
+        self._accept_thread = self._spawn(self._accept_loop, "kvt-accept")
+        log.info("kvtransport %s ready: backend=%s side channel %s:%d", self.instance, self.backend, self.host, self.port)
+
+    # ================================================================ public API
+    def metadata(self) -> bytes:
+        """What a peer needs to ``connect`` to us (versioned bytes, no pickle). Non-blocking."""
+        return wire.encode_metadata(
+            {
+                "instance": self.instance,
+                "backend": self.backend,
+                "host": self.host,
+                "port": self.port,
+                "pid": os.getpid(),
+                "capacity": self.settings.capacity,
+                "layout_hash": self.layout.compat_hash(),
+                "layout_signature": self.layout.signature(),
+                "layout": self.layout.to_wire(),
+                "transport": self.transport.describe(),
+                "auth_required": self.settings.secret is not None,
+            }
+        )
+
+    def connect(self, peer_metadata: bytes, *, timeout: float | None = None) -> Peer:
+        """Open a link for putting into the peer. Blocking, bounded by ``timeout`` (default: settings).
+
+        Raises ProtocolError/VersionMismatch for bad metadata, IncompatiblePeer when layouts or backends
+        differ (before any byte moves), PeerDisconnected/TransferTimeout when the peer cannot be reached.
+        """
+        self._check_open()
+        timeout = self.settings.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        meta = wire.decode_metadata(peer_metadata)
+        self._check_compatible(meta)
+        peer_layout = KVLayout.from_wire(meta["layout"])
+        info = PeerInfo(meta["instance"], meta["host"], peer_layout, meta["transport"])
+        label = f"{meta['host']}:{meta['port']}"
+        try:
+            raw = socket.create_connection((meta["host"], meta["port"]), timeout=max(0.001, deadline - time.monotonic()))
+        except OSError as exc:
+            raise PeerDisconnected(f"cannot reach peer side channel {label}: {exc}") from None
+        conn = FramedSocket(raw, label, self.settings.timeout)
+        dialer = None
+        try:
+            kind, payload = conn.recv(deadline)
+            if kind != FrameType.CHALLENGE:
+                raise ProtocolError(f"expected CHALLENGE from {label}, got {kind.name}")
+            nonce = bytes.fromhex(str(wire.parse_json_payload(payload, "CHALLENGE").get("nonce", "")))
+            dialer = self.transport.dial(info)
+            body = wire.json_payload({"metadata": _metadata_fields(self.metadata()), "request": dialer.request})
+            auth = wire.auth_tag(self.settings.secret, nonce, body) if self.settings.secret else None
+            conn.send(FrameType.HELLO, wire.json_payload({"body": body.decode(), "auth": auth}))
+            kind, payload = conn.recv(deadline)
+            reply = wire.parse_json_payload(payload, kind.name)
+            if kind == FrameType.REFUSE:
+                raise wire.error_from_wire(reply)
+            if kind != FrameType.WELCOME or not isinstance(reply.get("reply"), dict):
+                raise ProtocolError(f"expected WELCOME from {label}, got {kind.name}")
+            link = dialer.complete(reply["reply"], max(0.001, deadline - time.monotonic()))
+        except BaseException:
+            if dialer is not None:
+                dialer.abort()
+            conn.close()
+            raise
+        state = _Outbound(self, conn, link, info)
+        peer = Peer(meta["instance"], meta["host"], meta["port"], self.backend, link.describe(), peer_layout, state)
+        with self._lock:
+            if self._closed:
+                state.close()
+                raise CommClosed("CommManager closed during connect")
+            self._outbound.append(state)
+        log.info("kvtransport %s -> %s connected via %s", self.instance, label, peer.path or self.backend)
+        return peer
+
+    def put_layer(
+        self,
+        peer: Peer,
+        seq_id: SeqId,
+        layer: int,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+    ) -> None:
+        """Start copying blocks of ``layer`` into the peer's blocks. Asynchronous; coalesces internally.
+
+        Validation happens first (InvalidBlockIds, nothing moved). Raises the error the receiver reported
+        for this sequence (e.g. SlotsExhausted, SequenceAborted), PeerDisconnected, CommClosed.
+        """
+        st = self._outbound_state(peer)
+        if not 0 <= layer < self.layout.num_layers:
+            raise InvalidBlockIds(f"layer {layer} out of range [0, {self.layout.num_layers})")
+        limits = {"src_num_blocks": self.layout.num_blocks, "dst_num_blocks": peer.layout.num_blocks}
+        runs = coalesce(src_block_ids, dst_block_ids, **limits) if self.settings.coalesce else single_runs(
+            src_block_ids, dst_block_ids, **limits)
+        if not runs:
+            return
+        st.put(seq_id, layer, runs)
+        nblocks = len(src_block_ids)
+        with self._stats_lock:
+            self._stats.puts += 1
+            self._stats.runs += len(runs)
+            self._stats.pieces += nblocks * len(self.layout.layers[layer].planes)
+            self._stats.bytes_sent += nblocks * self.layout.layers[layer].block_bytes
+
+    def signal_layer(self, peer: Peer, seq_id: SeqId, layer: int) -> None:
+        """After this, the peer's ``wait_layer(seq_id, layer)`` returns once every earlier put landed.
+
+        Non-blocking (one-sided backends flush on a background thread)."""
+        if not 0 <= layer < self.layout.num_layers:
+            raise InvalidBlockIds(f"layer {layer} out of range [0, {self.layout.num_layers})")
+        self._outbound_state(peer).signal(seq_id, layer)
+        with self._stats_lock:
+            self._stats.signals += 1
+
+    def signal(self, peer: Peer, seq_id: SeqId) -> None:
+        """After this, the peer's ``wait(seq_id)`` returns once every earlier put of it landed. Non-blocking."""
+        self._outbound_state(peer).signal(seq_id, None)
+        with self._stats_lock:
+            self._stats.signals += 1
+
+    def flush(self, peer: Peer, *, timeout: float | None = None) -> None:
+        """Block until every earlier put and signal towards ``peer`` has been delivered.
+
+        Raises TransferTimeout, PeerDisconnected, or the first error a signal hit."""
+        self._outbound_state(peer).flush(self.settings.timeout if timeout is None else timeout)
+
+    def wait(self, seq_id: SeqId, *, timeout: float) -> None:
+        """Block until the sequence's signal arrived and all its puts landed (receiver side).
+
+        Raises TransferTimeout, PeerDisconnected, SequenceAborted, SlotsExhausted, CommClosed."""
+        self._table.wait(seq_id, timeout)
+
+    def wait_layer(self, seq_id: SeqId, layer: int, *, timeout: float) -> None:
+        """Block until ``layer`` of the sequence landed (a layer signal or the whole-sequence signal)."""
+        self._table.wait_layer(seq_id, layer, timeout)
+
+    def poll(self) -> list[SeqId]:
+        """Sequences that finished (landed or failed) since the last poll; ``wait(s, timeout=0)`` tells which."""
+        self._check_open()
+        return self._table.poll()
+
+    def release(self, seq_id: SeqId) -> None:
+        """Forget a sequence on this side: frees its slot (receiver) and its error record (sender).
+
+        Late data for it from a two-sided peer is discarded; waiters get SequenceAborted."""
+        self._table.release(seq_id)
+        with self._lock:
+            outs = list(self._outbound)
+        for st in outs:
+            st.forget(seq_id)
+
+    def disconnect(self, peer: Peer) -> None:
+        """Close the link to ``peer`` (idempotent)."""
+        with self._lock:
+            if peer._state in self._outbound:
+                self._outbound.remove(peer._state)
+        peer._state.close()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, backend, paths in use and slot usage (for metrics)."""
+        with self._stats_lock:
+            out: dict[str, Any] = dict(vars(self._stats))
+        with self._lock:
+            out["paths"] = sorted({st.link.describe() for st in self._outbound})
+            out["inbound_peers"] = len(self._inbound)
+            out["outbound_peers"] = len(self._outbound)
+        out.update(backend=self.backend, slots_in_use=self._table.in_use, capacity=self._table.capacity)
+        out["transport"] = self.transport.stats()
+        return out
+
+    def close(self) -> None:
+        """Stop everything; waiters get CommClosed. Always returns promptly; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            outs, ins = list(self._outbound), list(self._inbound.values())
+            self._outbound.clear()
+        self._table.close(CommClosed("CommManager closed"))
+        try:
+            self._server.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._server.close()
+        for st in outs:
+            st.close()
+        for ib in ins:
+            ib.close()
+        deadline = time.monotonic() + 5.0
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
+        try:
+            self.transport.close()
+        except Exception as exc:  # close must always return
+            log.warning("backend %s close failed: %s", self.backend, exc)
+
+    def __enter__(self) -> CommManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ================================================================ internals
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CommClosed("CommManager is closed")
+
+    def _outbound_state(self, peer: Peer) -> _Outbound:
+        self._check_open()
+        if not isinstance(peer, Peer):
+            raise TypeError(f"expected a Peer from cm.connect(), got {type(peer).__name__}")
+        return peer._state
+
+    def _spawn(self, fn: Any, name: str, *args: Any) -> threading.Thread:
+        t = threading.Thread(target=fn, args=args, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+        return t
+
+    def _count_failure(self) -> None:
+        with self._stats_lock:
+            self._stats.failures += 1
+
+    def _check_compatible(self, meta: dict[str, Any]) -> None:
+        """Raise IncompatiblePeer unless the peer's backend and layout match ours."""
+        if meta["backend"] != self.backend:
+            raise IncompatiblePeer(
+                f"peer uses backend {meta['backend']!r}, we use {self.backend!r}: set the same KV_TRANSPORT on both sides"
+            )
+        if meta["layout_hash"] != self.layout.compat_hash():
+            raise IncompatiblePeer(
+                "KV layouts differ, transfers would corrupt data: "
+                + self.layout.describe_mismatch(meta["layout_signature"])
+                + " (same model, dtype, block size and VLLM_KV_CACHE_LAYOUT are needed on both sides)"
+            )
+        if meta["instance"] == self.instance:
+            raise IncompatiblePeer("cannot connect a CommManager to itself")
+
+    # ---------------------------------------------------------------- receiver side
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                raw, addr = self._server.accept()
+            except OSError:
+                return
+            inbound = _Inbound(self, FramedSocket(raw, f"{addr[0]}:{addr[1]}", self.settings.timeout))
+            with self._lock:
+                if self._closed:
+                    inbound.close()
+                    return
+                self._inbound[id(inbound)] = inbound
+            self._spawn(inbound.serve, f"kvt-in-{addr[1]}")
+
+    def _drop_inbound(self, inbound: _Inbound) -> None:
+        with self._lock:
+            self._inbound.pop(id(inbound), None)
+
+
+def _metadata_fields(data: bytes) -> dict[str, Any]:
+    return wire.decode_metadata(data)
+
+
+class _Inbound:
+    """One connected sender, served on its own thread."""
+
+    def __init__(self, cm: CommManager, conn: FramedSocket) -> None:
+        self.cm = cm
+        self.conn = conn
+        self.link: InboundLink | None = None
+        self.peer: str | None = None
+
+    def serve(self) -> None:
+        cm = self.cm
+        try:
+            self._handshake()
+            assert self.link is not None and self.peer is not None
+            two_sided = not cm.capabilities.one_sided
+            while True:
+                kind, payload = self.conn.recv()
+                if kind == FrameType.PUT and two_sided:
+                    self._on_put(payload)
+                elif kind == FrameType.SIGNAL:
+                    seq, layer = wire.decode_signal(payload)
+                    if layer is not None and layer >= cm.layout.num_layers:
+                        raise ProtocolError(f"SIGNAL for layer {layer} beyond our {cm.layout.num_layers} layers")
+                    try:
+                        if layer is None:
+                            cm._table.mark_complete(seq, peer=self.peer)
+                            with cm._stats_lock:
+                                cm._stats.sequences_completed += 1
+                        else:
+                            cm._table.mark_layer(seq, layer, peer=self.peer)
+                    except SlotsExhausted as exc:
+                        self.conn.send(FrameType.NACK, wire.encode_error(seq, exc))
+                elif kind == FrameType.PING:
+                    self.conn.send(FrameType.PONG)
+                else:
+                    raise ProtocolError(f"unexpected {kind.name} frame from a connected peer")
+        except KVTransportError as exc:
+            if not cm._closed:
+                if self.peer is not None:
+                    failed = cm._table.fail_peer(self.peer, PeerDisconnected(f"peer {self.peer} lost: {exc}"))
+                    if failed:
+                        cm._count_failure()
+                        log.warning("peer %s lost with %d sequences in flight: %s", self.peer, len(failed), exc)
+                else:
+                    log.info("side-channel connection from %s refused: %s", self.conn.peer_label, exc)
+        except Exception as exc:  # never let a receiver thread die silently
+            log.exception("receiver thread for %s crashed", self.conn.peer_label)
+            if self.peer is not None:
+                cm._table.fail_peer(self.peer, PeerDisconnected(f"receiver error: {exc}"))
+        finally:
+            self.close()
+            cm._drop_inbound(self)
+
+    def _handshake(self) -> None:
+        cm = self.cm
+        deadline = time.monotonic() + cm.settings.timeout
+        nonce = secrets.token_bytes(16)
+        self.conn.send(FrameType.CHALLENGE, wire.json_payload({"nonce": nonce.hex()}))
+        kind, payload = self.conn.recv(deadline)
+        if kind != FrameType.HELLO:
+            raise ProtocolError(f"expected HELLO, got {kind.name}")
+        outer = wire.parse_json_payload(payload, "HELLO")
+        body = outer.get("body")
+        if not isinstance(body, str):
+            raise ProtocolError("HELLO without body")
+        answer = None
+        try:
+            if cm.settings.secret is not None and not wire.auth_ok(cm.settings.secret, nonce, body.encode(), outer.get("auth")):
+                with cm._stats_lock:
+                    cm._stats.refused_peers += 1
+                raise ProtocolError(
+                    "handshake authentication failed: the peer does not know KV_TRANSPORT_SECRET "
+                    "(set the same secret on both sides)"
+                )
+            hello = wire.parse_json_payload(body.encode(), "HELLO body")
+            meta = hello.get("metadata")
+            request = hello.get("request")
+            if not isinstance(meta, dict) or not isinstance(request, dict):
+                raise ProtocolError("HELLO body lacks metadata/request")
+            meta = wire.decode_metadata(wire.encode_metadata(meta))  # same validation as connect()
+            cm._check_compatible(meta)
+            info = PeerInfo(meta["instance"], meta["host"], KVLayout.from_wire(meta["layout"]), meta["transport"])
+            answer = cm.transport.answer(info, request)
+            self.conn.send(FrameType.WELCOME, wire.json_payload({"reply": answer.reply, "instance": cm.instance}))
+            self.link = answer.complete(max(0.001, deadline - time.monotonic()))
+            self.peer = meta["instance"]
+            self.peer_layout = info.layout
+        except KVTransportError as exc:
+            if answer is not None:
+                answer.abort()
+            try:
+                self.conn.send(FrameType.REFUSE, wire.json_payload({"error": type(exc).__name__, "message": str(exc)}))
+            except KVTransportError:
+                pass
+            raise
+
+    def _on_put(self, payload: bytes) -> None:
+        cm = self.cm
+        assert self.link is not None
+        seq, layer, runs = wire.decode_put(payload)
+        if layer >= cm.layout.num_layers:
+            raise ProtocolError(f"PUT for layer {layer} beyond our {cm.layout.num_layers} layers")
+        for r in runs:
+            if r.dst + r.count > cm.layout.num_blocks or r.src + r.count > self.peer_layout.num_blocks:
+                raise ProtocolError(f"PUT run {r} is beyond the block range")
+        try:
+            st = cm._table.acquire(seq, peer=self.peer, remote=True)
+            dropped: KVTransportError | None = None
+            if st is None:
+                dropped = TransferError(f"sequence {seq!r} was released by the receiver; data discarded")
+        except SlotsExhausted as exc:
+            st, dropped = None, exc
+        if st is None or st.finished:
+            self.link.discard(layer, runs, cm.settings.timeout)
+            if dropped is not None:
+                self.conn.send(FrameType.NACK, wire.encode_error(seq, dropped))
+            return
+        self.link.receive(layer, runs, cm.settings.timeout)
+        nblocks = sum(r.count for r in runs)
+        with cm._stats_lock:
+            cm._stats.puts_received += 1
+            cm._stats.bytes_received += nblocks * cm.layout.layers[layer].block_bytes
+
+    def close(self) -> None:
+        self.conn.close()
+        link, self.link = self.link, None
+        if link is not None:
+            try:
+                link.close()
+            except Exception as exc:
+                log.warning("inbound link close failed: %s", exc)
+
+
+class _Outbound:
+    """Sender-side state of one peer link."""
+
+    def __init__(self, cm: CommManager, conn: FramedSocket, link: OutboundLink, info: PeerInfo) -> None:
+        self.cm = cm
+        self.conn = conn
+        self.link = link
+        self.info = info
+        self.one_sided = cm.capabilities.one_sided
+        self._lock = threading.Lock()
+        self._failed: dict[SeqId, KVTransportError] = {}
+        self._error: KVTransportError | None = None
+        self._closed = False
+        self._queue: queue.Queue[tuple[SeqId, int | None] | None] = queue.Queue()
+        self._pending = 0
+        self._idle = threading.Condition(self._lock)
+        self._reader = cm._spawn(self._read_loop, f"kvt-out-{info.instance[:6]}")
+        if self.one_sided:
+            self._signaller = cm._spawn(self._signal_loop, f"kvt-sig-{info.instance[:6]}")
+
+    def _check(self, seq: SeqId | None) -> None:
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            if self._closed:
+                raise CommClosed("link to peer closed")
+            if seq is not None and seq in self._failed:
+                raise self._failed[seq]
+
+    def put(self, seq: SeqId, layer: int, runs: list[BlockRun]) -> None:
+        self._check(seq)
+        if not self.one_sided:
+            self.conn.send(FrameType.PUT, wire.encode_put(seq, layer, runs))
+        try:
+            self.link.put(layer, runs)
+        except KVTransportError as exc:
+            self._fail_link(exc)
+            raise
+
+    def signal(self, seq: SeqId, layer: int | None) -> None:
+        self._check(seq)
+        if self.one_sided:
+            with self._lock:
+                self._pending += 1
+            self._queue.put((seq, layer))
+        else:
+            self.conn.send(FrameType.SIGNAL, wire.encode_signal(seq, layer))
+
+    def flush(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._pending and self._error is None and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferTimeout(f"{self._pending} signals to {self.conn.peer_label} not delivered in {timeout:.3g}s")
+                self._idle.wait(left)
+        self._check(None)
+        if not self.one_sided:
+            self.link.flush(max(0.001, deadline - time.monotonic()))
+
+    def forget(self, seq: SeqId) -> None:
+        with self._lock:
+            self._failed.pop(seq, None)
+
+    def _signal_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            seq, layer = item
+            try:
+                if self._error is None:
+                    self.link.flush(self.cm.settings.timeout)
+                    self.conn.send(FrameType.SIGNAL, wire.encode_signal(seq, layer))
+            except KVTransportError as exc:
+                self._fail_link(exc)
+            finally:
+                with self._lock:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                kind, payload = self.conn.recv()
+                if kind == FrameType.NACK:
+                    seq, exc = wire.decode_nack(payload)
+                    with self._lock:
+                        self._failed[seq] = exc
+                    self.cm._count_failure()
+                elif kind == FrameType.PONG:
+                    pass
+                else:
+                    raise ProtocolError(f"unexpected {kind.name} frame from receiver")
+        except KVTransportError as exc:
+            if not self._closed:
+                self._fail_link(exc if isinstance(exc, PeerDisconnected) else PeerDisconnected(str(exc)))
+
+    def _fail_link(self, exc: KVTransportError) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = exc
+            self._idle.notify_all()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._idle.notify_all()
+        self._queue.put(None)
+        self.conn.close()
+        try:
+            self.link.close()
+        except Exception as exc:
+            log.warning("outbound link close failed: %s", exc)

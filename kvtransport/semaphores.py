@@ -1,0 +1,209 @@
+"""Per-sequence semaphores: a bounded table of sequence slots with per-layer progress.
+
+The receiving side of a :class:`~kvtransport.CommManager` owns one :class:`SequenceTable`. A sequence takes a
+slot when it is first seen (a put/signal from a peer, or a local ``wait``) and keeps it until ``release``.
+Each slot records which layers have landed, whether the whole sequence has, and a failure if any. Slot
+numbers are reused; a per-slot *generation* counts reuses so late events for an old occupant can be fenced.
+
+Thread-safe. Every wait takes a timeout. A full table raises :class:`SlotsExhausted` at once, never blocks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from .errors import CommClosed, KVTransportError, SequenceAborted, SlotsExhausted, TransferTimeout
+
+SeqId = str | int
+"""A sequence (request) id: a string (vLLM request ids) or an integer."""
+
+TOMBSTONES = 4096
+"""How many released sequence ids are remembered so late remote events for them are dropped."""
+
+
+@dataclass
+class SequenceSlot:
+    """State of one sequence on the receiving side (read under the table's lock)."""
+
+    seq_id: SeqId
+    slot: int
+    generation: int
+    peer: str | None = None
+    layers: set[int] = field(default_factory=set)
+    complete: bool = False
+    error: KVTransportError | None = None
+    reported: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.complete or self.error is not None
+
+
+class SequenceTable:
+    """Bounded map from sequence id to slot; see the module docstring for the contract."""
+
+    def __init__(self, capacity: int, num_layers: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.num_layers = num_layers
+        self._cond = threading.Condition()
+        self._by_seq: dict[SeqId, SequenceSlot] = {}
+        self._free = list(range(capacity - 1, -1, -1))  # pop() gives the lowest slot
+        self._generations = [0] * capacity
+        self._tombstones: OrderedDict[SeqId, None] = OrderedDict()
+        self._closed: KVTransportError | None = None
+
+    # ---------------------------------------------------------------- slot lifecycle
+    def acquire(self, seq_id: SeqId, *, peer: str | None = None, remote: bool = False) -> SequenceSlot | None:
+        """Return the slot of ``seq_id``, taking a free one if it has none. Non-blocking.
+
+        ``remote=True`` marks an event from a peer: for a recently released id it returns ``None`` (the
+        event must be dropped) instead of reviving the sequence. Raises :class:`SlotsExhausted` when full.
+        """
+        with self._cond:
+            self._check_open()
+            st = self._by_seq.get(seq_id)
+            if st is not None:
+                if peer is not None and st.peer is None:
+                    st.peer = peer
+                return st
+            if remote and seq_id in self._tombstones:
+                return None
+            self._tombstones.pop(seq_id, None)
+            if not self._free:
+                raise SlotsExhausted(
+                    f"all {self.capacity} sequence slots are in use; release() finished sequences or raise "
+                    "the capacity (open(..., capacity=N))"
+                )
+            slot = self._free.pop()
+            self._generations[slot] += 1
+            st = SequenceSlot(seq_id, slot, self._generations[slot], peer)
+            self._by_seq[seq_id] = st
+            return st
+
+    def release(self, seq_id: SeqId) -> bool:
+        """Free the slot of ``seq_id`` (waiters get :class:`SequenceAborted` if it had not finished).
+
+        Returns whether the id held a slot. Late remote events for it are dropped afterwards.
+        """
+        with self._cond:
+            st = self._by_seq.pop(seq_id, None)
+            self._tombstones[seq_id] = None
+            self._tombstones.move_to_end(seq_id)
+            while len(self._tombstones) > TOMBSTONES:
+                self._tombstones.popitem(last=False)
+            if st is None:
+                return False
+            if not st.finished:
+                st.error = SequenceAborted(f"sequence {seq_id!r} was released before it completed")
+            self._free.append(st.slot)
+            self._free.sort(reverse=True)
+            self._cond.notify_all()
+            return True
+
+    # ---------------------------------------------------------------- progress
+    def mark_layer(self, seq_id: SeqId, layer: int, *, peer: str | None = None) -> None:
+        """Record that ``layer`` of ``seq_id`` has landed (from the receive path)."""
+        with self._cond:
+            st = self._remote_slot(seq_id, peer)
+            if st is not None and not st.finished:
+                st.layers.add(layer)
+                self._cond.notify_all()
+
+    def mark_complete(self, seq_id: SeqId, *, peer: str | None = None) -> None:
+        """Record that every put of ``seq_id`` has landed."""
+        with self._cond:
+            st = self._remote_slot(seq_id, peer)
+            if st is not None and not st.finished:
+                st.complete = True
+                st.layers.update(range(self.num_layers))
+                self._cond.notify_all()
+
+    def fail(self, seq_id: SeqId, error: KVTransportError) -> None:
+        """Fail ``seq_id`` if it is in the table and not finished."""
+        with self._cond:
+            st = self._by_seq.get(seq_id)
+            if st is not None and not st.finished:
+                st.error = error
+                self._cond.notify_all()
+
+    def fail_peer(self, peer: str, error: KVTransportError) -> list[SeqId]:
+        """Fail every unfinished sequence that came from ``peer``; returns their ids."""
+        with self._cond:
+            failed = [s.seq_id for s in self._by_seq.values() if s.peer == peer and not s.finished]
+            for seq in failed:
+                self._by_seq[seq].error = error
+            if failed:
+                self._cond.notify_all()
+            return failed
+
+    def _remote_slot(self, seq_id: SeqId, peer: str | None) -> SequenceSlot | None:
+        try:
+            return self.acquire(seq_id, peer=peer, remote=True)
+        except SlotsExhausted:
+            raise
+        except CommClosed:
+            return None
+
+    # ---------------------------------------------------------------- waiting
+    def wait(self, seq_id: SeqId, timeout: float) -> None:
+        """Block until every put of ``seq_id`` has landed. Raises TransferTimeout or the sequence's error."""
+        self._wait(seq_id, None, timeout)
+
+    def wait_layer(self, seq_id: SeqId, layer: int, timeout: float) -> None:
+        """Block until ``layer`` of ``seq_id`` has landed (or the whole sequence). Same errors as wait."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
+        self._wait(seq_id, layer, timeout)
+
+    def _wait(self, seq_id: SeqId, layer: int | None, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            st = self.acquire(seq_id)
+            assert st is not None
+            while True:
+                if st.error is not None:
+                    raise st.error
+                if st.complete or (layer is not None and layer in st.layers):
+                    return
+                self._check_open()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    what = f"layer {layer} of sequence" if layer is not None else "sequence"
+                    raise TransferTimeout(
+                        f"{what} {seq_id!r} did not land within {timeout:.3g}s "
+                        f"(layers landed: {len(st.layers)}/{self.num_layers})"
+                    )
+                self._cond.wait(left)
+
+    def poll(self) -> list[SeqId]:
+        """Ids that reached a final state (complete or failed) since the last poll. Non-blocking."""
+        with self._cond:
+            out = [s.seq_id for s in self._by_seq.values() if s.finished and not s.reported]
+            for seq in out:
+                self._by_seq[seq].reported = True
+            return out
+
+    def get(self, seq_id: SeqId) -> SequenceSlot | None:
+        with self._cond:
+            return self._by_seq.get(seq_id)
+
+    @property
+    def in_use(self) -> int:
+        with self._cond:
+            return len(self._by_seq)
+
+    def close(self, error: KVTransportError) -> None:
+        """Wake every waiter with ``error``; further calls raise it. Idempotent."""
+        with self._cond:
+            if self._closed is None:
+                self._closed = error
+            self._cond.notify_all()
+
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise self._closed

@@ -1,0 +1,127 @@
+"""Run a sender and a receiver in two real processes (spawn) and collect their results.
+
+Each role is a function ``fn(link: RoleLink, cfg: dict) -> dict`` importable by module path. The receiver
+publishes its metadata with ``link.publish(bytes)``; the sender gets it with ``link.peer_metadata()``.
+``link.barrier(name)`` lets a role wait until the other reached the same named point. A role that hangs
+past the deadline is killed after dumping its stacks (faulthandler), and the harness raises.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+
+class HarnessError(AssertionError):
+    """A role failed, crashed or hung; the message carries its traceback or stack dump."""
+
+
+class RoleLink:
+    """A role's line to the parent process."""
+
+    def __init__(self, conn: Connection, role: str) -> None:
+        self.conn = conn
+        self.role = role
+
+    def publish(self, metadata: bytes) -> None:
+        self.conn.send(("meta", metadata))
+
+    def peer_metadata(self, timeout: float = 60.0) -> bytes:
+        return self._expect("meta", timeout)
+
+    def barrier(self, name: str, timeout: float = 60.0) -> None:
+        self.conn.send(("barrier", name))
+        got = self._expect("barrier", timeout)
+        if got != name:
+            raise HarnessError(f"{self.role}: barrier {name!r} met {got!r}")
+
+    def send_value(self, value: Any) -> None:
+        self.conn.send(("value", value))
+
+    def recv_value(self, timeout: float = 60.0) -> Any:
+        return self._expect("value", timeout)
+
+    def _expect(self, kind: str, timeout: float) -> Any:
+        if not self.conn.poll(timeout):
+            raise HarnessError(f"{self.role}: nothing from the other role within {timeout}s (waiting for {kind})")
+        got_kind, value = self.conn.recv()
+        if got_kind != kind:
+            raise HarnessError(f"{self.role}: expected {kind}, got {got_kind}")
+        return value
+
+
+def _role_main(conn: Connection, role: str, target: str, cfg: dict[str, Any], hang_after: float) -> None:
+    faulthandler.dump_traceback_later(hang_after, exit=True, file=sys.stderr)
+    os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+    try:
+        module, _, name = target.rpartition(".")
+        fn: Callable[[RoleLink, dict[str, Any]], dict[str, Any]] = getattr(importlib.import_module(module), name)
+        result = fn(RoleLink(conn, role), cfg)
+        conn.send(("result", result))
+    except BaseException as exc:  # report everything to the parent
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def run_pair(
+    receiver: str, sender: str, cfg: dict[str, Any], *, timeout: float = 120.0
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run ``receiver`` and ``sender`` (dotted function paths) in two processes; return their results.
+
+    Relays metadata, barriers and values between them. Raises HarnessError if either fails or the pair
+    does not finish within ``timeout`` seconds (both are killed; no process is left behind)."""
+    ctx = mp.get_context("spawn")
+    ends = {}
+    procs = {}
+    for role, target in (("receiver", receiver), ("sender", sender)):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_role_main, args=(child, role, target, cfg, timeout - 5), name=f"kvt-{role}")
+        p.start()
+        child.close()
+        ends[role], procs[role] = parent, p
+    results: dict[str, Any] = {}
+    deadline = time.monotonic() + timeout
+    other = {"receiver": "sender", "sender": "receiver"}
+    pending_barrier: dict[str, str] = {}
+    try:
+        while len(results) < 2:
+            if time.monotonic() > deadline:
+                raise HarnessError(f"pair did not finish within {timeout}s; finished: {sorted(results)}")
+            ready = mp.connection.wait([c for r, c in ends.items() if r not in results], timeout=0.5)
+            for conn in ready:
+                role = next(r for r, c in ends.items() if c is conn)
+                try:
+                    kind, value = conn.recv()
+                except EOFError:
+                    raise HarnessError(f"{role} died (exit code {procs[role].exitcode})") from None
+                if kind == "result":
+                    results[role] = value
+                elif kind == "error":
+                    raise HarnessError(f"{role} failed:\n{value}")
+                elif kind == "barrier":
+                    if pending_barrier.get(other[role]) is not None:
+                        ends[other[role]].send(("barrier", pending_barrier.pop(other[role])))
+                        conn.send(("barrier", value))
+                    else:
+                        pending_barrier[role] = value
+                else:  # meta / value: forward to the other role
+                    ends[other[role]].send((kind, value))
+            for role, p in procs.items():
+                if role not in results and not p.is_alive() and not ends[role].poll():
+                    raise HarnessError(f"{role} exited with code {p.exitcode} without a result")
+    finally:
+        for p in procs.values():
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return results["receiver"], results["sender"]
