@@ -116,7 +116,7 @@ class Dialer(ABC):
     @abstractmethod
     def complete(self, reply: JSONDict, timeout: float) -> OutboundLink: ...
 
-    def abort(self) -> None:
+    def abort(self) -> None:  # noqa: B027 - optional hook
         """Called instead of ``complete`` when the handshake failed."""
 
 
@@ -128,7 +128,7 @@ class Answer(ABC):
     @abstractmethod
     def complete(self, timeout: float) -> InboundLink: ...
 
-    def abort(self) -> None:
+    def abort(self) -> None:  # noqa: B027 - optional hook
         """Called instead of ``complete`` when the handshake failed."""
 
 

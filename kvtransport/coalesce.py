@@ -13,7 +13,7 @@ class BlockRun(NamedTuple):
 
     src: int
     dst: int
-    count: int
+    count: int  # type: ignore[assignment]
 
 
 def validate_block_ids(
@@ -35,7 +35,7 @@ def validate_block_ids(
         )
     seen: set[int] = set()
     for i, (s, d) in enumerate(zip(src_block_ids, dst_block_ids, strict=True)):
-        if type(s) is not int or type(d) is not int:  # noqa: E721 - bool and floats are refused
+        if type(s) is not int or type(d) is not int:
             if not (_is_int_like(s) and _is_int_like(d)):
                 raise InvalidBlockIds(f"block ids must be integers; pair {i} is ({s!r}, {d!r})")
         if s < 0 or d < 0:

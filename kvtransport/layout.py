@@ -283,12 +283,12 @@ def _describe_tensor(name: str, info: _TensorInfo, bdim: int) -> LayerRegion:
     shape, strides = info.shape, info.strides
     if any(s < 0 for s in strides):
         raise LayoutError(f"layer {name!r}: negative strides {strides} are not supported")
-    if info.data_ptr == 0:
-        raise LayoutError(f"layer {name!r}: tensor has no storage (data_ptr is 0)")
     num_blocks = shape[bdim]
     block_stride = strides[bdim]
     if num_blocks < 1:
         raise LayoutError(f"layer {name!r}: no blocks (shape {shape})")
+    if info.data_ptr == 0:
+        raise LayoutError(f"layer {name!r}: tensor has no storage (data_ptr is 0)")
     if num_blocks > 1 and block_stride == 0:
         raise LayoutError(f"layer {name!r}: block dimension has stride 0 (broadcast view); pass the real cache")
     inner = [(d, shape[d], strides[d]) for d in range(len(shape)) if d != bdim and shape[d] > 1]

@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kvtransport_ucx import _ucp  # noqa: E402
+from kvtransport_ucx import _ucp
 
 MiB = 1 << 20
 BIG = 64 * MiB
@@ -105,7 +105,7 @@ def _scattered(ep: _ucp.UcpEndpoint, rkey: _ucp.UcpRkey, src: int, rbase: int, s
     def one_by_one() -> float:
         t = time.perf_counter()
         put = ep.put
-        for la, ra in zip(local_l, remote_l):
+        for la, ra in zip(local_l, remote_l, strict=False):
             put(la, seg, ra, rkey)
         return time.perf_counter() - t
 
@@ -119,8 +119,10 @@ def _scattered(ep: _ucp.UcpEndpoint, rkey: _ucp.UcpRkey, src: int, rbase: int, s
             ep.flush(60)
             total.append(time.perf_counter() - t)
         mi, mt = statistics.median(issue), statistics.median(total)
-        print(f"{NPUT} x {seg // 1024:2d} KiB {name:10s}: issue {mi / NPUT * 1e6:6.2f} µs/put, issue+flush "
-              f"{mt / NPUT * 1e6:6.2f} µs/put = {NPUT * seg / mt / 1e9:.2f} GB/s")
+        print(
+            f"{NPUT} x {seg // 1024:2d} KiB {name:10s}: issue {mi / NPUT * 1e6:6.2f} µs/put, issue+flush "
+            f"{mt / NPUT * 1e6:6.2f} µs/put = {NPUT * seg / mt / 1e9:.2f} GB/s"
+        )
 
 
 def main() -> None:

@@ -140,11 +140,13 @@ def timeout_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
     with _open(cfg, cache.layout) as cm:
         link.publish(cm.metadata())
         link.barrier("connected")
-        for what, call in (("wait", lambda: cm.wait("never", timeout=0.5)),
-                           ("wait_layer", lambda: cm.wait_layer("never", 0, timeout=0.5))):
+        for what in ("wait", "wait_layer"):
             t0 = time.monotonic()
             try:
-                call()
+                if what == "wait":
+                    cm.wait("never", timeout=0.5)
+                else:
+                    cm.wait_layer("never", 0, timeout=0.5)
                 out[what] = "returned"
             except TransferTimeout:
                 out[what] = time.monotonic() - t0

@@ -35,7 +35,7 @@ class RoleLink:
         self.conn.send(("meta", metadata))
 
     def peer_metadata(self, timeout: float = 60.0) -> bytes:
-        return self._expect("meta", timeout)
+        return bytes(self._expect("meta", timeout))
 
     def barrier(self, name: str, timeout: float = 60.0) -> None:
         self.conn.send(("barrier", name))
@@ -97,8 +97,9 @@ def run_pair(
             if time.monotonic() > deadline:
                 raise HarnessError(f"pair did not finish within {timeout}s; finished: {sorted(results)}")
             ready = mp.connection.wait([c for r, c in ends.items() if r not in results], timeout=0.5)
-            for conn in ready:
-                role = next(r for r, c in ends.items() if c is conn)
+            for ready_conn in ready:
+                role = next(r for r, c in ends.items() if c is ready_conn)
+                conn = ends[role]
                 try:
                     kind, value = conn.recv()
                 except EOFError:
@@ -108,6 +109,7 @@ def run_pair(
                 elif kind == "error":
                     raise HarnessError(f"{role} failed:\n{value}")
                 elif kind == "barrier":
+                    value = str(value)
                     if pending_barrier.get(other[role]) is not None:
                         ends[other[role]].send(("barrier", pending_barrier.pop(other[role])))
                         conn.send(("barrier", value))

@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from kvtransport_ucx import _ucp
 
 _reason = _ucp.load_error()
@@ -192,7 +191,7 @@ def loopback() -> Any:
 @pytest.mark.parametrize("impl", ["c", "python"])
 @pytest.mark.parametrize("kind", ["numpy", "array", "list", "scalar_len"])
 def test_put_batch_input_kinds(loopback: Any, monkeypatch: pytest.MonkeyPatch, impl: str, kind: str) -> None:
-    ctx, ep, rkey, dst = loopback
+    _ctx, ep, rkey, dst = loopback
     if impl == "python":
         monkeypatch.setattr(_ucp, "_helper", None)
         monkeypatch.setattr(_ucp, "_helper_tried", True)
@@ -218,7 +217,7 @@ def test_put_batch_input_kinds(loopback: Any, monkeypatch: pytest.MonkeyPatch, i
 
 @pytest.mark.timeout(120)
 def test_put_batch_length_mismatch(loopback: Any) -> None:
-    ctx, ep, rkey, dst = loopback
+    _ctx, ep, rkey, _dst = loopback
     with pytest.raises(ValueError):
         ep.put_batch([1, 2], [3], 8, rkey)
 
@@ -258,7 +257,7 @@ def test_idle_wait_burns_no_cpu() -> None:
 # ----------------------------------------------------------------------------- layouts
 def _include_dir() -> str | None:
     try:
-        import libucx  # type: ignore[import-not-found,import-untyped]
+        import libucx  # type: ignore[import-not-found,import-untyped,unused-ignore]
     except ImportError:
         return None
     inc = os.path.join(os.path.dirname(libucx.__file__), "include")
@@ -266,8 +265,11 @@ def _include_dir() -> str | None:
 
 
 # Fields our ctypes struct has but older verified headers lack (we never set them).
-_NEWER_FIELDS = {("ucp_request_param_t", "remote_datatype"), ("ucp_request_param_t", "remote"),
-                 ("ucp_request_param_t", "remote_count")}
+_NEWER_FIELDS = {
+    ("ucp_request_param_t", "remote_datatype"),
+    ("ucp_request_param_t", "remote"),
+    ("ucp_request_param_t", "remote_count"),
+}
 # ctypes struct deliberately larger than the C one (slack at the end).
 _OVERSIZED = {"ucp_request_param_t"}
 
@@ -296,8 +298,10 @@ def test_struct_layouts_match_installed_headers(tmp_path: Any) -> None:
     src.write_text("\n".join(lines))
     exe = tmp_path / "probe"
     subprocess.run([cc, f"-I{inc}", str(src), "-o", str(exe)], check=True, capture_output=True)
-    got = dict(line.rsplit(" ", 1) for line in subprocess.run([str(exe)], check=True, capture_output=True,
-                                                              text=True).stdout.splitlines())
+    got = dict(
+        line.rsplit(" ", 1)
+        for line in subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.splitlines()
+    )
     for key, off in expected.items():
         c_val = int(got[key])
         if key.endswith(".sizeof") and key.split(".")[0] in _OVERSIZED:
@@ -320,8 +324,14 @@ def _load_error_in_subprocess(prelude: str = "", patch: str = "") -> str:
     import sys
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    out = subprocess.run([sys.executable, "-c", _LOAD_PROBE.format(prelude=prelude, patch=patch)],
-                         check=True, capture_output=True, text=True, env=env, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", _LOAD_PROBE.format(prelude=prelude, patch=patch)],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     return out.stdout.strip()
 
 

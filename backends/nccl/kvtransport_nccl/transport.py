@@ -69,6 +69,7 @@ class _LayerViews:
             span = (num_blocks - 1) * p.block_stride + p.piece_bytes
             base = _bytes_at(p.base, span, device)
             self.planes.append(base.as_strided((num_blocks, p.piece_bytes), (p.block_stride, 1)))
+        self.host_planes = [p.numpy() if device.type == "cpu" else None for p in self.planes]
         self.block_bytes = layer.block_bytes
 
     def direct(self, runs: Sequence[BlockRun], use_src: bool) -> torch.Tensor | None:
@@ -110,6 +111,7 @@ class TorchTransport(Transport):
             notes=f"torch.distributed {self.pg_kind}",
         )
         self.views = [_LayerViews(layer, layout.num_blocks, self.device) for layer in layout.layers]
+        self.cache_ptrs = {int(p.untyped_storage().data_ptr()) for v in self.views for p in v.planes}
 
     def describe(self) -> JSONDict:
         return {"pg": self.pg_kind, "torch": torch.__version__}
@@ -200,7 +202,8 @@ def _wait(work: Any, timeout: float, what: str) -> None:
 class _TorchOutLink(OutboundLink):
     def __init__(self, tr: TorchTransport, pg: Any, store: Any) -> None:
         self.tr, self.pg, self.store = tr, pg, store
-        self.pending: collections.deque[tuple[Any, Any]] = collections.deque()
+        self.pending: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
+        self.free: list[torch.Tensor] = []
 
     def put(self, layer: int, runs: Sequence[BlockRun]) -> None:
         views = self.tr.views[layer]
@@ -215,19 +218,36 @@ class _TorchOutLink(OutboundLink):
         buf = views.direct(runs, use_src=True)
         if buf is None:
             ids = _ids(runs, True, self.tr.device)
-            parts = [torch.index_select(p, 0, ids).view(-1) for p in views.planes]
-            buf = parts[0] if len(parts) == 1 else torch.cat(parts)
+            n = len(ids)
+            buf = self._staging(n * views.block_bytes)
+            off = 0
+            for p in views.planes:  # one gather per plane, into a reused staging buffer
+                size = n * p.shape[1]
+                torch.index_select(p, 0, ids, out=buf[off : off + size].view(n, p.shape[1]))
+                off += size
         self.pending.append((self.pg.send([buf.view(-1)], 1, 0), buf))
+
+    def _staging(self, nbytes: int) -> torch.Tensor:
+        """A staging buffer not used by any send in flight (recycled: no allocation per put)."""
+        for i, buf in enumerate(self.free):
+            if buf.numel() >= nbytes:
+                del self.free[i]
+                return buf[:nbytes]
+        return torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=self.tr.device)[:nbytes]
 
     def _reap(self) -> None:
         while self.pending and self.pending[0][0].is_completed():
-            self.pending.popleft()
+            self._recycle(self.pending.popleft()[1])
+
+    def _recycle(self, buf: torch.Tensor) -> None:
+        if buf._base is not None and len(self.free) < 4 and buf.untyped_storage().data_ptr() not in self.tr.cache_ptrs:
+            self.free.append(buf._base)
 
     def flush(self, timeout: float) -> None:
         while self.pending:
-            work, _ = self.pending[0]
+            work = self.pending[0][0]
             _wait(work, timeout, "send to peer")
-            self.pending.popleft()
+            self._recycle(self.pending.popleft()[1])
 
     def describe(self) -> str:
         if self.tr.pg_kind == "nccl":
@@ -243,6 +263,7 @@ class _TorchInLink(InboundLink):
     def __init__(self, tr: TorchTransport, pg: Any, store: Any) -> None:
         self.tr, self.pg, self.store = tr, pg, store
         self._set_device = False
+        self.buf: torch.Tensor | None = None
 
     def _recv(self, buf: torch.Tensor, timeout: float) -> None:
         if self.tr.device.type == "cuda" and not self._set_device:
@@ -267,15 +288,24 @@ class _TorchInLink(InboundLink):
             self._sync()
             return
         n = sum(r.count for r in runs)
-        buf = torch.empty(n * views.block_bytes, dtype=torch.uint8, device=self.tr.device)
+        buf = self._staging(n * views.block_bytes)
         self._recv(buf, timeout)
         ids = _ids(runs, False, self.tr.device)
         off = 0
-        for p in views.planes:
+        for p, host in zip(views.planes, views.host_planes, strict=True):
             size = n * p.shape[1]
-            p.index_copy_(0, ids, buf[off : off + size].view(n, p.shape[1]))
+            part = buf[off : off + size].view(n, p.shape[1])
+            if host is not None:  # numpy's row scatter is ~5x faster than index_copy_ on the CPU
+                host[ids.numpy()] = part.numpy()
+            else:
+                p.index_copy_(0, ids, part)
             off += size
         self._sync()
+
+    def _staging(self, nbytes: int) -> torch.Tensor:
+        if self.buf is None or self.buf.numel() < nbytes:
+            self.buf = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=self.tr.device)
+        return self.buf[:nbytes]
 
     def discard(self, layer: int, runs: Sequence[BlockRun], timeout: float) -> None:
         views = self.tr.views[layer]
@@ -284,7 +314,7 @@ class _TorchInLink(InboundLink):
                 self._recv(torch.empty(r.count * views.block_bytes, dtype=torch.uint8, device=self.tr.device), timeout)
             return
         n = sum(r.count for r in runs)
-        self._recv(torch.empty(n * views.block_bytes, dtype=torch.uint8, device=self.tr.device), timeout)
+        self._recv(self._staging(n * views.block_bytes), timeout)
 
     def _sync(self) -> None:
         if self.tr.device.type == "cuda":

@@ -281,8 +281,7 @@ class UcpUnavailableError(ImportError):
 
 # --------------------------------------------------------------------------- loading
 _INSTALL_HINT = (
-    "install PyPI's UCX wheel into this environment: `pip install ucxx-cu12` "
-    "(or just `pip install libucx-cu12`)"
+    "install PyPI's UCX wheel into this environment: `pip install ucxx-cu12` (or just `pip install libucx-cu12`)"
 )
 
 
@@ -330,7 +329,15 @@ class _Lib:
         self.rkey_destroy = fn(ucp, "ucp_rkey_destroy", None, c_vp)
         self.put_nbx = fn(ucp, "ucp_put_nbx", c_vp, c_vp, c_vp, ctypes.c_size_t, c_u64, c_vp, P(_UcpRequestParam))
         self.atomic_op_nbx = fn(
-            ucp, "ucp_atomic_op_nbx", c_vp, c_vp, ctypes.c_int, c_vp, ctypes.c_size_t, c_u64, c_vp,
+            ucp,
+            "ucp_atomic_op_nbx",
+            c_vp,
+            c_vp,
+            ctypes.c_int,
+            c_vp,
+            ctypes.c_size_t,
+            c_u64,
+            c_vp,
             P(_UcpRequestParam),
         )
         self.request_check_status = fn(ucp, "ucp_request_check_status", st, c_vp)
@@ -371,7 +378,7 @@ def _find_wheel_libucp() -> tuple[ctypes.CDLL, ctypes.CDLL, str]:
         except OSError as e:
             raise UcpUnavailableError(f"KVTRANSPORT_UCX_LIBDIR={libdir!r}: cannot load libucp: {e}") from e
     try:
-        import libucx  # type: ignore[import-not-found,import-untyped]
+        import libucx  # type: ignore[import-not-found,import-untyped,unused-ignore]
     except ImportError as e:
         raise UcpUnavailableError(f"libucp not found (no `libucx` package): {_INSTALL_HINT}") from e
     try:
@@ -381,10 +388,10 @@ def _find_wheel_libucp() -> tuple[ctypes.CDLL, ctypes.CDLL, str]:
     except OSError as e:
         raise UcpUnavailableError(f"libucx.load_library() failed: {e}; {_INSTALL_HINT}") from e
     by_name: dict[str, ctypes.CDLL] = {os.path.basename(h._name).split(".so")[0]: h for h in loaded}
-    ucp, ucs = by_name.get("libucp"), by_name.get("libucs")
-    if ucp is None or ucs is None:
+    ucp_h, ucs_h = by_name.get("libucp"), by_name.get("libucs")
+    if ucp_h is None or ucs_h is None:
         raise UcpUnavailableError(f"the libucx package did not provide libucp/libucs; {_INSTALL_HINT}")
-    return ucp, ucs, str(ucp._name)
+    return ucp_h, ucs_h, str(ucp_h._name)
 
 
 _lib: _Lib | None = None
@@ -486,7 +493,9 @@ def _load_helper() -> Any:
             try:
                 subprocess.run(
                     [cc, "-O2", "-shared", "-fPIC", "-o", tmp, _HELPER_SRC],
-                    check=True, capture_output=True, timeout=60,
+                    check=True,
+                    capture_output=True,
+                    timeout=60,
                 )
                 os.replace(tmp, so_path)  # atomic: concurrent builders are fine
             finally:
@@ -495,12 +504,26 @@ def _load_helper() -> Any:
         h = ctypes.CDLL(so_path)
         f = h.kvt_put_batch
         f.restype = ctypes.c_int64
-        f.argtypes = [c_vp, c_vp, c_vp, c_vp, c_vp, c_vp, c_vp, c_vp, c_u64, ctypes.c_size_t,
-                      ctypes.POINTER(ctypes.c_int64)]
+        f.argtypes = [
+            c_vp,
+            c_vp,
+            c_vp,
+            c_vp,
+            c_vp,
+            c_vp,
+            c_vp,
+            c_vp,
+            c_u64,
+            ctypes.c_size_t,
+            ctypes.POINTER(ctypes.c_int64),
+        ]
         _helper = f
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
-        warnings.warn(f"kvtransport_ucx: C batch helper unavailable ({e}); put_batch falls back to a Python loop",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"kvtransport_ucx: C batch helper unavailable ({e}); put_batch falls back to a Python loop",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         _helper = None
     return _helper
 
@@ -649,13 +672,17 @@ class UcpContext(_Handle):
         self._memories.append(m)
         return m
 
-    def close(self) -> None:
-        """Close workers (and their endpoints), unmap memory, ``ucp_cleanup``.  Idempotent."""
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Close workers (endpoints within ``timeout_s`` in total), unmap memory, ``ucp_cleanup``.
+
+        Blocking; idempotent.
+        """
         if self._h is None or os.getpid() != self._pid:
             self._h = None
             return
+        deadline = time.monotonic() + timeout_s
         for w in list(self._workers):
-            w.close()
+            w.close(timeout_s=max(0.0, deadline - time.monotonic()))
         for m in list(self._memories):
             m.unmap()
         h, self._h = self._h, None
@@ -693,8 +720,9 @@ class UcpMemory(_Handle):
         """Serialize the remote key for this region (blocking, local).  Raises UcpError."""
         lib = self._lib
         buf, size = c_vp(), ctypes.c_size_t()
-        lib.check(lib.rkey_pack(self._ctx._handle(), self._handle(), ctypes.byref(buf), ctypes.byref(size)),
-                  "ucp_rkey_pack")
+        lib.check(
+            lib.rkey_pack(self._ctx._handle(), self._handle(), ctypes.byref(buf), ctypes.byref(size)), "ucp_rkey_pack"
+        )
         try:
             return ctypes.string_at(buf.value, size.value)  # type: ignore[arg-type]
         finally:
@@ -829,13 +857,19 @@ class UcpWorker(_Handle):
         self._endpoints.append(ep)
         return ep
 
-    def close(self) -> None:
-        """Close endpoints (flush mode, bounded), destroy the worker.  Idempotent."""
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Close endpoints (flush mode; all within ``timeout_s`` together), destroy the worker.
+
+        Blocking; idempotent.  Endpoints that do not close in time (e.g. TCP
+        with a peer that is not progressing) give a RuntimeWarning and are
+        reclaimed by ``ucp_worker_destroy``.
+        """
         if self._h is None or os.getpid() != self._pid:
             self._h = None
             return
+        deadline = time.monotonic() + timeout_s
         for ep in list(self._endpoints):
-            ep.close()
+            ep.close(timeout_s=max(0.0, deadline - time.monotonic()))
         h, self._h = self._h, None
         try:
             self._ctx._workers.remove(self)
@@ -949,8 +983,7 @@ class UcpEndpoint(_Handle):
                 self._raise_ptr(req, "ucp_put_nbx")
             self._lib.request_free(req)
 
-    def put_batch(self, local_addrs: U64Array, remote_addrs: U64Array, lengths: U64Array | int,
-                  rkey: UcpRkey) -> None:
+    def put_batch(self, local_addrs: U64Array, remote_addrs: U64Array, lengths: U64Array | int, rkey: UcpRkey) -> None:
         """Non-blocking: issue ``len(local_addrs)`` puts with one rkey.
 
         Arrays: ``array('Q')``, numpy ``uint64`` (C-contiguous: zero-copy),
@@ -979,17 +1012,29 @@ class UcpEndpoint(_Handle):
         helper = _load_helper()
         if helper is not None:
             err = ctypes.c_int64(0)
-            done = helper(self._put_fn_addr, self._free_fn_addr, ep, rk, ctypes.addressof(self._param0),
-                          p_local, p_remote, p_lens, scalar_len, n, ctypes.byref(err))
+            done = helper(
+                self._put_fn_addr,
+                self._free_fn_addr,
+                ep,
+                rk,
+                ctypes.addressof(self._param0),
+                p_local,
+                p_remote,
+                p_lens,
+                scalar_len,
+                n,
+                ctypes.byref(err),
+            )
             del keep_l, keep_r, keep_n
             if done != n:
-                raise UcpError(f"ucp_put_nbx failed at batch index {done}: {self._lib.status_string(err.value)}",
-                               err.value)
+                raise UcpError(
+                    f"ucp_put_nbx failed at batch index {done}: {self._lib.status_string(err.value)}", err.value
+                )
             return
         loc = (ctypes.c_uint64 * n).from_address(p_local)
         rem = (ctypes.c_uint64 * n).from_address(p_remote)
         lens: Iterable[int] = (ctypes.c_uint64 * n).from_address(p_lens) if p_lens else [scalar_len] * n
-        for la, ra, ln in zip(loc, rem, lens):
+        for la, ra, ln in zip(loc, rem, lens, strict=False):
             self.put(la, ln, ra, rkey)
         del keep_l, keep_r, keep_n
 
@@ -1015,8 +1060,15 @@ class UcpEndpoint(_Handle):
         p = _UcpRequestParam()
         p.op_attr_mask = UCP_OP_ATTR_FIELD_DATATYPE
         p.datatype = _dt_make_contig(8)
-        req = self._lib.atomic_op_nbx(self._handle(), UCP_ATOMIC_OP_ADD, ctypes.addressof(operand), 1,
-                                      remote_addr, rkey._handle(), ctypes.byref(p))
+        req = self._lib.atomic_op_nbx(
+            self._handle(),
+            UCP_ATOMIC_OP_ADD,
+            ctypes.addressof(operand),
+            1,
+            remote_addr,
+            rkey._handle(),
+            ctypes.byref(p),
+        )
         _wait_request(self._worker, req, timeout_s, "ucp_atomic_op_nbx")
 
     def transports(self) -> str:

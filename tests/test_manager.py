@@ -1,0 +1,206 @@
+"""CommManager behaviour through the in-process reference backend (fast; no second process)."""
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvtransport as kt
+from kvtransport import wire
+from kvtransport.testing.cache import CacheSpec, HostCache, verify_transfer
+
+SPEC = CacheSpec(num_layers=3, num_blocks=16, heads=2, block_size=4, head_dim=8, order="NHD")
+
+
+@pytest.fixture
+def pair():
+    src, dst = HostCache(SPEC, fill_seed=11), HostCache(SPEC)
+    with kt.open(src.layout, backend="inproc") as s, kt.open(dst.layout, backend="inproc") as r:
+        yield s, r, src, dst
+
+
+def test_layerwise_push_and_verify(pair):
+    s, r, src, dst = pair
+    peer = s.connect(r.metadata())
+    pairs = [(3, 0), (4, 1), (5, 2), (9, 7), (0, 15)]
+    for layer in range(SPEC.num_layers):
+        s.put_layer(peer, "r1", layer, [a for a, _ in pairs], [b for _, b in pairs])
+        s.signal_layer(peer, "r1", layer)
+        r.wait_layer("r1", layer, timeout=5)
+    s.signal(peer, "r1")
+    r.wait("r1", timeout=5)
+    assert verify_transfer(dst, src, {layer: pairs for layer in range(SPEC.num_layers)}) == []
+    assert r.poll() == ["r1"]
+    stats = s.stats()
+    assert stats["runs"] == 3 * 3 and stats["bytes_sent"] == 3 * 5 * src.layout.layers[0].block_bytes
+    assert stats["paths"] == ["inproc memmove"]
+    r.release("r1")
+    assert r.stats()["slots_in_use"] == 0
+
+
+def test_invalid_block_ids_move_nothing(pair):
+    s, r, _, dst = pair
+    peer = s.connect(r.metadata())
+    for src_ids, dst_ids in (([0, 1], [2, 2]), ([0], [16]), ([16], [0]), ([-1], [0]), ([0, 1], [1])):
+        with pytest.raises(kt.InvalidBlockIds):
+            s.put_layer(peer, "bad", 0, src_ids, dst_ids)
+    with pytest.raises(kt.InvalidBlockIds):
+        s.put_layer(peer, "bad", 3, [0], [0])
+    s.flush(peer, timeout=5)
+    assert not dst.backing.any()
+
+
+def test_incompatible_layout_refused_at_connect():
+    a = HostCache(SPEC)
+    b = HostCache(CacheSpec(**{**SPEC.to_dict(), "order": "HND"}))
+    c = HostCache(CacheSpec(**{**SPEC.to_dict(), "num_layers": 2}))
+    with kt.open(a.layout, backend="inproc") as s, kt.open(b.layout, backend="inproc") as r, \
+            kt.open(c.layout, backend="inproc") as r2:
+        with pytest.raises(kt.IncompatiblePeer, match="VLLM_KV_CACHE_LAYOUT"):
+            s.connect(r.metadata())
+        with pytest.raises(kt.IncompatiblePeer, match="layer count"):
+            s.connect(r2.metadata())
+        with pytest.raises(kt.IncompatiblePeer, match="itself"):
+            s.connect(s.metadata())
+
+
+def test_shared_secret_refuses_strangers():
+    a, b = HostCache(SPEC), HostCache(SPEC)
+    with kt.open(b.layout, backend="inproc", secret="s3cret") as r:
+        with kt.open(a.layout, backend="inproc") as stranger:
+            with pytest.raises(kt.ProtocolError, match="authentication failed"):
+                stranger.connect(r.metadata())
+        with kt.open(a.layout, backend="inproc", secret="wrong") as wrong:
+            with pytest.raises(kt.ProtocolError, match="KV_TRANSPORT_SECRET"):
+                wrong.connect(r.metadata())
+        with kt.open(a.layout, backend="inproc", secret="s3cret") as friend:
+            friend.connect(r.metadata())
+        assert r.stats()["refused_peers"] == 2
+
+
+def test_garbage_on_the_side_channel_does_not_hurt(pair):
+    s, r, _, _ = pair
+    meta = wire.decode_metadata(r.metadata())
+    for junk in (b"GET / HTTP/1.1\r\n\r\n", b"\x00" * 64, wire.frame(wire.FrameType.HELLO, b"[1,2]"),
+                 wire.frame(wire.FrameType.HELLO, b'{"body": "{\\"metadata\\": 5}"}')):
+        with socket.create_connection((meta["host"], meta["port"]), timeout=5) as c:
+            c.sendall(junk)
+            c.settimeout(5)
+            try:
+                while c.recv(4096):
+                    pass
+            except OSError:
+                pass
+    peer = s.connect(r.metadata())  # still serving
+    s.put_layer(peer, 1, 0, [0], [0])
+    s.signal(peer, 1)
+    r.wait(1, timeout=5)
+
+
+def test_close_wakes_waiters_and_returns(pair):
+    _, r, _, _ = pair
+    errors = []
+
+    def waiter():
+        try:
+            r.wait("never", timeout=30)
+        except kt.KVTransportError as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    r.close()
+    t.join(5)
+    assert time.monotonic() - t0 < 5
+    assert errors and isinstance(errors[0], kt.CommClosed)
+    with pytest.raises(kt.CommClosed):
+        r.poll()
+    r.close()  # idempotent
+
+
+def test_receiver_closing_fails_sender_link(pair):
+    s, r, _, _ = pair
+    peer = s.connect(r.metadata())
+    r.close()
+    deadline = time.monotonic() + 5
+    with pytest.raises((kt.PeerDisconnected, kt.CommClosed)):
+        while time.monotonic() < deadline:
+            s.signal(peer, "x")
+            s.flush(peer, timeout=1)
+            time.sleep(0.02)
+
+
+def test_backend_failure_surfaces_on_sender(pair):
+    s, r, _, _ = pair
+    peer = s.connect(r.metadata())
+    peer._state.link.fail_next = kt.PeerDisconnected("injected")
+    with pytest.raises(kt.PeerDisconnected, match="injected"):
+        s.put_layer(peer, "q", 0, [0], [0])
+    with pytest.raises(kt.PeerDisconnected):
+        s.signal(peer, "q")
+
+
+def test_slots_exhausted_reported_to_both_sides():
+    a, b = HostCache(SPEC, fill_seed=1), HostCache(SPEC)
+    with kt.open(a.layout, backend="inproc") as s, kt.open(b.layout, backend="inproc", capacity=1) as r:
+        peer = s.connect(r.metadata())
+        s.signal(peer, "one")
+        r.wait("one", timeout=5)
+        s.signal(peer, "two")
+        s.flush(peer, timeout=5)
+        with pytest.raises(kt.SlotsExhausted):
+            r.wait("two", timeout=1)
+        deadline = time.monotonic() + 5
+        with pytest.raises(kt.SlotsExhausted):
+            while time.monotonic() < deadline:
+                s.signal(peer, "two")
+                time.sleep(0.01)
+
+
+def test_configuration_errors_name_the_fix(monkeypatch):
+    layout = HostCache(SPEC).layout
+    with pytest.raises(kt.UnknownBackend, match=r"installed: .*inproc"):
+        kt.open(layout, backend="nope")
+    if "mscclpp" not in kt.registry.specs():
+        with pytest.raises(kt.UnknownBackend, match="build MSCCL"):
+            kt.open(layout, backend="mscclpp")
+    with pytest.raises(kt.InterfaceNotFound, match=r"NET_IFNAME=eth9 not found; interfaces: .*lo"):
+        kt.open(layout, backend="inproc", ifname="eth9")
+    monkeypatch.setenv("NET_IFNAME", "eth9")
+    with pytest.raises(kt.InterfaceNotFound):
+        kt.open(layout, backend="inproc")
+    monkeypatch.setenv("NET_IFNAME", "lo")
+    monkeypatch.setenv("KV_TRANSPORT", "inproc")
+    with kt.open(layout) as cm:
+        assert cm.backend == "inproc" and cm.host == "127.0.0.1"
+    monkeypatch.setenv("KV_TRANSPORT_TIMEOUT", "abc")
+    with pytest.raises(kt.ConfigurationError, match="KV_TRANSPORT_TIMEOUT"):
+        kt.open(layout)
+    with pytest.raises(kt.LayoutError):
+        kt.open(np.zeros(4))
+
+
+def test_auto_never_picks_the_test_backend():
+    for row in kt.available_backends():
+        assert isinstance(str(row), str)
+    spec = kt.registry.choose("auto", "cpu") if any(
+        r.available and r.name != "inproc" for r in kt.available_backends()) else None
+    assert spec is None or spec.name != "inproc"
+
+
+def test_core_import_is_light():
+    code = "import sys, kvtransport, kvtransport.manager; print(sorted(m for m in ('torch','numpy','cupy','mscclpp','ucxx') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_no_environment_writes_at_import():
+    code = "import os; before=dict(os.environ); import kvtransport, kvtransport.registry; kvtransport.available_backends(); print(before == dict(os.environ))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True"
