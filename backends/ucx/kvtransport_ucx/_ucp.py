@@ -478,6 +478,12 @@ def _load_helper() -> Any:
     if os.environ.get("KVTRANSPORT_UCX_NO_C_HELPER") == "1":
         return None
     try:
+        import glob
+
+        built = sorted(glob.glob(os.path.join(os.path.dirname(_HELPER_SRC), "_ucp_batch_ext*.so")))
+        if built:  # compiled at install time (setup.py)
+            _helper = _bind_helper(ctypes.CDLL(built[0]))
+            return _helper
         with open(_HELPER_SRC, "rb") as fh:
             src = fh.read()
         tag = hashlib.sha1(src + sys.platform.encode() + (sysconfig.get_config_var("MULTIARCH") or "").encode())
@@ -501,23 +507,7 @@ def _load_helper() -> Any:
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
-        h = ctypes.CDLL(so_path)
-        f = h.kvt_put_batch
-        f.restype = ctypes.c_int64
-        f.argtypes = [
-            c_vp,
-            c_vp,
-            c_vp,
-            c_vp,
-            c_vp,
-            c_vp,
-            c_vp,
-            c_vp,
-            c_u64,
-            ctypes.c_size_t,
-            ctypes.POINTER(ctypes.c_int64),
-        ]
-        _helper = f
+        _helper = _bind_helper(ctypes.CDLL(so_path))
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         warnings.warn(
             f"kvtransport_ucx: C batch helper unavailable ({e}); put_batch falls back to a Python loop",
@@ -526,6 +516,26 @@ def _load_helper() -> Any:
         )
         _helper = None
     return _helper
+
+
+def _bind_helper(h: ctypes.CDLL) -> Any:
+    """Declare the helper's signature (see _ucp_batch.c)."""
+    f = h.kvt_put_batch
+    f.restype = ctypes.c_int64
+    f.argtypes = [
+        c_vp,
+        c_vp,
+        c_vp,
+        c_vp,
+        c_vp,
+        c_vp,
+        c_vp,
+        c_vp,
+        c_u64,
+        ctypes.c_size_t,
+        ctypes.POINTER(ctypes.c_int64),
+    ]
+    return f
 
 
 def batch_impl() -> Literal["c", "python"]:

@@ -1,0 +1,47 @@
+"""UCX-specific behaviour: lanes reported (fast vs slow path), idle CPU cost, the put path."""
+
+import time
+
+import pytest
+
+import kvtransport as kt
+from kvtransport import registry
+from kvtransport.testing.cache import CacheSpec, HostCache, verify_transfer
+
+pytestmark = pytest.mark.skipif(not registry.probe("ucx").ok, reason=f"ucx backend unavailable: {registry.probe('ucx').reason}")
+SPEC = CacheSpec(num_layers=2, num_blocks=32, heads=2, block_size=16, head_dim=64, order="HND")
+
+
+@pytest.mark.parametrize(("tls", "fast"), [(None, True), ("tcp", False)])
+def test_lanes_are_reported_and_data_lands(tls, fast):
+    src, dst = HostCache(SPEC, fill_seed=3), HostCache(SPEC)
+    opts = {"tls": tls} if tls else {}
+    with kt.open(src.layout, backend="ucx", **opts) as s, kt.open(dst.layout, backend="ucx", **opts) as r:
+        peer = s.connect(r.metadata())
+        assert peer.path.startswith("ucx ")
+        assert ("tcp" not in peer.path) is fast
+        assert ("slow path" in peer.path) is (not fast)
+        pairs = [(i, 31 - i) for i in range(0, 32, 3)]
+        for layer in range(2):
+            s.put_layer(peer, "q", layer, [a for a, _ in pairs], [b for _, b in pairs])
+        s.signal(peer, "q")
+        r.wait("q", timeout=30)
+        assert verify_transfer(dst, src, {0: pairs, 1: pairs}) == []
+        assert s.stats()["paths"] == [peer.path]
+
+
+def test_idle_manager_costs_no_cpu():
+    cache = HostCache(SPEC)
+    with kt.open(cache.layout, backend="ucx") as cm, kt.open(HostCache(SPEC).layout, backend="ucx") as other:
+        other.connect(cm.metadata())
+        time.sleep(0.3)
+        t0, c0 = time.monotonic(), time.process_time()
+        time.sleep(2.0)
+        cpu = time.process_time() - c0
+        wall = time.monotonic() - t0
+    assert cpu / wall < 0.05, f"idle managers used {100 * cpu / wall:.1f}% of a core"
+
+
+def test_unknown_option_is_refused():
+    with pytest.raises(kt.ConfigurationError, match="unknown options"):
+        kt.open(HostCache(SPEC).layout, backend="ucx", bogus=1)
