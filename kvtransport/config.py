@@ -119,6 +119,16 @@ def interface_address(ifname: str) -> str:
     return addr
 
 
+def host_id() -> str:
+    """Identifies this machine (boot id + hostname), so backends can tell same-host peers apart."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
 def default_env(settings: Settings, knobs: Mapping[str, str]) -> dict[str, str]:
     """The backend knobs (e.g. NCCL_SOCKET_IFNAME) to set for NET_IFNAME, skipping any the user has set.
 

@@ -24,6 +24,8 @@ def _plan(cfg: dict[str, Any]) -> tuple[list[int], list[int]]:
     """The request's (source, destination) block ids: random on both sides, as in a long-running server."""
     rng = random.Random(cfg["seed"])
     n = cfg["request_blocks"]
+    if cfg.get("pattern") == "contiguous":  # one run per layer: the best case
+        return list(range(n)), list(range(n, 2 * n))
     return rng.sample(range(cfg["num_blocks"]), n), rng.sample(range(cfg["num_blocks"]), n)
 
 
@@ -120,6 +122,8 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(PRESETS))
     ap.add_argument("--tokens", type=int, default=2048, help="prompt length of the request")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (sender cuda:0, receiver cuda:1 if present)")
+    ap.add_argument("--pattern", default="random", choices=["random", "contiguous"],
+                    help="block ids: random on both sides (a long-running server), or one run per layer")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -136,7 +140,7 @@ def run(argv: list[str] | None = None) -> int:
     chosen = registry.choose(backend, kind).name
     request_blocks = -(-args.tokens // 16)
     cfg = {"backend": chosen, "model": args.model, "num_blocks": 2 * request_blocks, "request_blocks": request_blocks,
-           "reps": args.reps, "timeout": args.timeout, "seed": args.seed, "verify": args.verify,
+           "reps": args.reps, "pattern": args.pattern, "timeout": args.timeout, "seed": args.seed, "verify": args.verify,
            "sender_device": "cpu" if kind == "cpu" else "cuda:0"}
     if kind == "cuda":
         import torch
@@ -148,7 +152,7 @@ def run(argv: list[str] | None = None) -> int:
     nbytes = request_blocks * spec.num_layers * spec.piece_bytes
     print(f"kvtransport {kvtransport.__version__} demo: {args.model} KV request of {args.tokens} tokens = "
           f"{spec.num_layers} layers x {request_blocks} blocks x {spec.piece_bytes >> 10} KiB = {nbytes / 2**20:.0f} MiB, "
-          f"random block ids, 2 processes ({cfg['sender_device']} -> {cfg['receiver_device']})")
+          f"{args.pattern} block ids, 2 processes ({cfg['sender_device']} -> {cfg['receiver_device']})")
     print("backends:", "; ".join(str(r) for r in kvtransport.available_backends()))
     r, s = run_pair(f"{__name__}.receiver", f"{__name__}.sender", cfg, timeout=args.timeout * (args.reps + 2))
     med = statistics.median(r["times"])

@@ -20,6 +20,7 @@ import secrets
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,8 @@ from .sidechannel import FramedSocket
 from .wire import FrameType
 
 log = logging.getLogger("kvtransport")
+RUNS_CACHE = 64
+"""How many distinct block-id lists keep their coalesced runs (a request's layers share one)."""
 
 
 @dataclass
@@ -95,6 +98,7 @@ class CommManager:
         self._outbound: list[_Outbound] = []
         self._inbound: dict[int, _Inbound] = {}
         self._threads: list[threading.Thread] = []
+        self._runs_cache: OrderedDict[tuple[Any, ...], tuple[BlockRun, ...]] = OrderedDict()
         self._server = socket.create_server((settings.address, settings.port), reuse_port=False)
         self._server.settimeout(None)
         self.host, self.port = self._server.getsockname()[:2]
@@ -187,9 +191,7 @@ class CommManager:
         st = self._outbound_state(peer)
         if not 0 <= layer < self.layout.num_layers:
             raise InvalidBlockIds(f"layer {layer} out of range [0, {self.layout.num_layers})")
-        limits = {"src_num_blocks": self.layout.num_blocks, "dst_num_blocks": peer.layout.num_blocks}
-        runs = coalesce(src_block_ids, dst_block_ids, **limits) if self.settings.coalesce else single_runs(
-            src_block_ids, dst_block_ids, **limits)
+        runs = self._runs(src_block_ids, dst_block_ids, peer.layout.num_blocks)
         if not runs:
             return
         st.put(seq_id, layer, runs)
@@ -199,6 +201,28 @@ class CommManager:
             self._stats.runs += len(runs)
             self._stats.pieces += nblocks * len(self.layout.layers[layer].planes)
             self._stats.bytes_sent += nblocks * self.layout.layers[layer].block_bytes
+
+    def _runs(self, src_block_ids: Sequence[int], dst_block_ids: Sequence[int], dst_blocks: int) -> tuple[BlockRun, ...]:
+        """Validated, coalesced runs; the same ids (every layer of a request) give the same tuple object,
+        computed once, so backends can cache what they derive from it by identity."""
+        try:
+            key = (tuple(src_block_ids), tuple(dst_block_ids), dst_blocks)
+            hash(key)
+        except TypeError:
+            raise InvalidBlockIds("block ids must be sequences of integers") from None
+        with self._lock:
+            runs = self._runs_cache.get(key)
+            if runs is not None:
+                self._runs_cache.move_to_end(key)
+                return runs
+        limits = {"src_num_blocks": self.layout.num_blocks, "dst_num_blocks": dst_blocks}
+        make = coalesce if self.settings.coalesce else single_runs
+        runs = tuple(make(src_block_ids, dst_block_ids, **limits))
+        with self._lock:
+            self._runs_cache[key] = runs
+            while len(self._runs_cache) > RUNS_CACHE:
+                self._runs_cache.popitem(last=False)
+        return runs
 
     def signal_layer(self, peer: Peer, seq_id: SeqId, layer: int) -> None:
         """After this, the peer's ``wait_layer(seq_id, layer)`` returns once every earlier put landed.
@@ -521,7 +545,7 @@ class _Outbound:
             if seq is not None and seq in self._failed:
                 raise self._failed[seq]
 
-    def put(self, seq: SeqId, layer: int, runs: list[BlockRun]) -> None:
+    def put(self, seq: SeqId, layer: int, runs: Sequence[BlockRun]) -> None:
         self._check(seq)
         if not self.one_sided:
             self.conn.send(FrameType.PUT, wire.encode_put(seq, layer, runs))
@@ -557,21 +581,28 @@ class _Outbound:
             self._failed.pop(seq, None)
 
     def _signal_loop(self) -> None:
+        """Flush once for every batch of queued signals, then send them together (order kept)."""
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            seq, layer = item
+            batch = [self._queue.get()]
+            while True:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            stop = None in batch
+            items = [b for b in batch if b is not None]
             try:
-                if self._error is None:
+                if items and self._error is None:
                     self.link.flush(self.cm.settings.timeout)
-                    self.conn.send(FrameType.SIGNAL, wire.encode_signal(seq, layer))
+                    self.conn.send_many([(FrameType.SIGNAL, wire.encode_signal(seq, layer)) for seq, layer in items])
             except KVTransportError as exc:
                 self._fail_link(exc)
             finally:
                 with self._lock:
-                    self._pending -= 1
+                    self._pending -= len(items)
                     self._idle.notify_all()
+            if stop:
+                return
 
     def _read_loop(self) -> None:
         try:

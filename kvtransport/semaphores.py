@@ -166,10 +166,11 @@ class SequenceTable:
             st = self.acquire(seq_id)
             assert st is not None
             while True:
-                if st.error is not None:
-                    raise st.error
+                # what landed stays landed: a later failure (e.g. the peer leaving) does not undo it
                 if st.complete or (layer is not None and layer in st.layers):
                     return
+                if st.error is not None:
+                    raise st.error
                 self._check_open()
                 left = deadline - time.monotonic()
                 if left <= 0:

@@ -24,7 +24,13 @@ class FramedSocket:
 
     def send(self, kind: FrameType, payload: bytes = b"") -> None:
         """Send one frame; raises PeerDisconnected / TransferTimeout (bounded by ``send_timeout``)."""
-        data = frame(kind, payload)
+        self._send_bytes(frame(kind, payload))
+
+    def send_many(self, frames: list[tuple[FrameType, bytes]]) -> None:
+        """Send several frames in one write (same errors as :meth:`send`)."""
+        self._send_bytes(b"".join(frame(k, p) for k, p in frames))
+
+    def _send_bytes(self, data: bytes) -> None:
         with self._send_lock:
             try:
                 self.sock.settimeout(self.send_timeout)
@@ -45,14 +51,13 @@ class FramedSocket:
     def _recv_exact(self, n: int, deadline: float | None) -> bytes:
         buf = bytearray()
         while len(buf) < n:
+            left = None
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TransferTimeout(f"no complete message from {self.peer_label} in time")
-                self.sock.settimeout(left)
-            else:
-                self.sock.settimeout(None)
             try:
+                self.sock.settimeout(left)
                 chunk = self.sock.recv(min(n - len(buf), 1 << 20))
             except TimeoutError:
                 raise TransferTimeout(f"no complete message from {self.peer_label} in time") from None

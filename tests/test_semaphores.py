@@ -142,3 +142,14 @@ class TableMachine(RuleBasedStateMachine):
 
 TestTableMachine = TableMachine.TestCase
 TestTableMachine.settings = __import__("hypothesis").settings(max_examples=100, stateful_step_count=30, deadline=None)
+
+
+def test_landed_layer_survives_a_later_peer_failure():
+    t = SequenceTable(2, 2)
+    t.mark_layer("a", 0, peer="p")
+    t.fail_peer("p", PeerDisconnected("gone"))
+    t.wait_layer("a", 0, timeout=0.1)  # layer 0 landed before the peer left
+    with pytest.raises(PeerDisconnected):
+        t.wait_layer("a", 1, timeout=0.1)
+    with pytest.raises(PeerDisconnected):
+        t.wait("a", timeout=0.1)

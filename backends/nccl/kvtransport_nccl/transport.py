@@ -32,10 +32,11 @@ from kvtransport.backend import (
     Transport,
 )
 from kvtransport.coalesce import BlockRun
-from kvtransport.config import Settings, default_env
+from kvtransport.config import Settings, default_env, host_id
 from kvtransport.errors import (
     BackendUnavailable,
     ConfigurationError,
+    IncompatiblePeer,
     PeerDisconnected,
     TransferError,
     TransferTimeout,
@@ -114,11 +115,20 @@ class TorchTransport(Transport):
         self.cache_ptrs = {int(p.untyped_storage().data_ptr()) for v in self.views for p in v.planes}
 
     def describe(self) -> JSONDict:
-        return {"pg": self.pg_kind, "torch": torch.__version__}
+        info: JSONDict = {"pg": self.pg_kind, "torch": torch.__version__, "host": host_id()}
+        if self.device.type == "cuda":
+            info["gpu"] = str(torch.cuda.get_device_properties(self.device).uuid)
+        return info
 
     def dial(self, peer: PeerInfo) -> Dialer:
         if peer.transport.get("pg") != self.pg_kind:
-            raise BackendUnavailable(f"peer moves {peer.transport.get('pg')} memory, we move {self.pg_kind}")
+            raise IncompatiblePeer(f"peer moves {peer.transport.get('pg')} memory, we move {self.pg_kind}")
+        mine = self.describe()
+        if "gpu" in mine and peer.transport.get("gpu") == mine["gpu"] and peer.transport.get("host") == mine["host"]:
+            raise IncompatiblePeer(
+                "both peers use the same GPU, and NCCL cannot link two processes on one GPU; "
+                "put them on different GPUs or use KV_TRANSPORT=ucx"
+            )
         return _TorchDialer(self)
 
     def answer(self, peer: PeerInfo, request: JSONDict) -> Answer:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import select
 import threading
 import warnings
@@ -32,7 +33,7 @@ from kvtransport.backend import (
     Transport,
 )
 from kvtransport.coalesce import BlockRun
-from kvtransport.config import Settings
+from kvtransport.config import Settings, host_id
 from kvtransport.errors import (
     BackendUnavailable,
     ConfigurationError,
@@ -79,6 +80,17 @@ class UcxTransport(Transport):
             self.regions = [self.ctx.mem_map(addr, length, memory_type=mem_type) for addr, length in layout.extents()]
         except _ucp.UcpError as exc:
             raise BackendUnavailable(f"ucx backend could not initialise: {exc} (check UCX_TLS / NET_IFNAME)") from None
+        self.ipc_exports: list[list[Any]] = []
+        self.ipc_note = ""
+        if self.cuda:
+            try:
+                from . import cudaipc
+
+                self.ipc_exports = cudaipc.export_extents(layout.extents())
+            except Exception as exc:  # no driver access or an unusual allocator: UCX puts still work
+                self.ipc_note = f"CUDA IPC export failed ({exc}); using UCX puts"
+                log.warning("ucx: %s", self.ipc_note)
+        self._copier: Any = None
         self._closing = threading.Event()
         self._progress = threading.Thread(target=self._progress_loop, name="kvt-ucx-progress", daemon=True)
         self._progress.start()
@@ -89,7 +101,19 @@ class UcxTransport(Transport):
             "regions": [[m.address, m.length, m.pack_rkey().hex()] for m in self.regions],
             "memory": "cuda" if self.cuda else "host",
             "ucx": ".".join(map(str, _ucp.ucx_version())),
+            "host": host_id(),
+            "pid": os.getpid(),
+            "ipc": self.ipc_exports,
         }
+
+    def copier(self) -> Any:
+        """The shared CUDA IPC segment copier (compiled on first use); raises if CuPy is missing."""
+        with self.lock:
+            if self._copier is None:
+                from .cudaipc import SegmentCopier
+
+                self._copier = SegmentCopier(torch_device_index(self.layout.device))
+            return self._copier
 
     def dial(self, peer: PeerInfo) -> Dialer:
         return _UcxDialer(self, peer)
@@ -130,6 +154,23 @@ class UcxTransport(Transport):
                 self.ctx.close(timeout_s=2.0)  # closes endpoints, rkeys, registrations, worker
             except _ucp.UcpError as exc:
                 log.warning("ucx close: %s", exc)
+
+
+def _uniform(layout: KVLayout) -> bool:
+    """All layers have the same planes relative to their first plane (true for vLLM caches)."""
+    def shape(layer: LayerRegion) -> list[tuple[int, int, int]]:
+        b0 = layer.planes[0].base
+        return [(p.base - b0, p.block_stride, p.piece_bytes) for p in layer.planes]
+
+    first = shape(layout.layers[0])
+    return all(shape(layer) == first for layer in layout.layers[1:])
+
+
+def torch_device_index(device: str) -> int:
+    import torch
+
+    dev = torch.device(device)
+    return dev.index if dev.index is not None else torch.cuda.current_device()
 
 
 class _RemoteRegions:
@@ -187,6 +228,23 @@ class _UcxOutLink(OutboundLink):
                 raise PeerDisconnected(f"ucx could not reach the peer: {exc}") from None
         names = sorted({tl for tl, _ in lanes})
         self.lanes = ",".join(names) or "unknown"
+        self.ipc: Any = None
+        self.copier: Any = None
+        if tr.cuda and info.get("memory") == "cuda" and info.get("host") == host_id() and info.get("ipc"):
+            try:
+                from .cudaipc import PeerMapping
+
+                self.copier = tr.copier()
+                self.ipc = PeerMapping(info["ipc"], same_process=info.get("pid") == os.getpid())
+                names = ["cuda-ipc kernel"]
+            except Exception as exc:  # CuPy missing, IPC refused: fall back to UCX puts, and say so
+                self.copier = None
+                log.warning("ucx: CUDA IPC kernel path unavailable (%s); using UCX puts (%s)", exc, self.lanes)
+        if self.ipc is not None:
+            self.lanes = "cuda-ipc kernel"
+            self.uniform = _uniform(tr.layout) and _uniform(peer.layout)
+            self._plan_runs: Any = None  # the runs the cached plan belongs to (held: identity stays valid)
+            self._plan: Any = None
         self.slow = all(tl in SLOW_LANES for tl in names) and bool(names)
         if self.slow:
             log.warning("ucx: the peer is reached over %s only (the slow path): check UCX_TLS, NET_IFNAME and, "
@@ -195,6 +253,9 @@ class _UcxOutLink(OutboundLink):
             log.info("ucx: lanes to peer: %s", self.lanes)
 
     def put(self, layer: int, runs: Sequence[BlockRun]) -> None:
+        if self.ipc is not None:
+            self._put_ipc(layer, runs)
+            return
         src, dst, lens = _segments(self.tr.layout.layers[layer], self.remote_layout.layers[layer], runs)
         first = self.remote.index(int(dst.min()), 0)
         last = self.remote.index(int(dst.max()), 0)
@@ -211,7 +272,31 @@ class _UcxOutLink(OutboundLink):
             except _ucp.UcpError as exc:
                 raise PeerDisconnected(f"ucx put failed: {exc}") from None
 
+    def _put_ipc(self, layer: int, runs: Sequence[BlockRun]) -> None:
+        """One kernel launch per put. Layers with one geometry share a device-side table of offsets,
+        built once per request (the manager hands every layer the same runs object)."""
+        local, remote = self.tr.layout.layers[layer], self.remote_layout.layers[layer]
+        if not self.uniform:
+            src, dst, lens = _segments(local, remote, runs)
+            table, n = self.copier.upload(src, self.ipc.translate(dst, lens), lens)
+            self.copier.launch(table, n)
+            return
+        if runs is not self._plan_runs:
+            l0, r0 = self.tr.layout.layers[0], self.remote_layout.layers[0]
+            src, dst, lens = _segments(l0, r0, runs)
+            src_rel = src - np.uint64(l0.planes[0].base)
+            dst_rel = dst - np.uint64(r0.planes[0].base)
+            span = int((dst_rel + lens).max())
+            self._plan = (*self.copier.upload(src_rel, dst_rel, lens), span)
+            self._plan_runs = runs
+        table, n, span = self._plan
+        dst_base = self.ipc.translate_range(remote.planes[0].base, span)
+        self.copier.launch(table, n, local.planes[0].base, dst_base)
+
     def flush(self, timeout: float) -> None:
+        if self.ipc is not None:
+            self.copier.flush(timeout)
+            return
         with self.tr.lock:
             try:
                 self.ep.flush(timeout)
@@ -224,6 +309,13 @@ class _UcxOutLink(OutboundLink):
         return f"ucx {self.lanes}" + (" (slow path)" if self.slow else "")
 
     def close(self) -> None:
+        if self.ipc is not None:
+            try:
+                self.copier.flush(1.0)
+            except Exception:
+                pass
+            self.ipc.close()
+            self.ipc = None
         with self.tr.lock, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a peer that already left resets the endpoint: expected here
             try:
