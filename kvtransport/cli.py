@@ -26,7 +26,13 @@ def _demo(argv: list[str]) -> int:
     return run(argv)
 
 
-COMMANDS = {"demo": _demo, "backends": _backends, "doctor": _doctor}
+def _bench(argv: list[str]) -> int:
+    from .bench import run
+
+    return run(argv)
+
+
+COMMANDS = {"demo": _demo, "backends": _backends, "doctor": _doctor, "bench": _bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,7 @@ from .errors import (
     KVTransportError,
     PeerDisconnected,
     ProtocolError,
+    SequenceAborted,
     SlotsExhausted,
     TransferError,
     TransferTimeout,
@@ -64,6 +65,7 @@ class Stats:
     sequences_completed: int = 0
     failures: int = 0
     refused_peers: int = 0
+    aborted: int = 0
 
 
 @dataclass(eq=False)
@@ -98,6 +100,8 @@ class CommManager:
         self._outbound: list[_Outbound] = []
         self._inbound: dict[int, _Inbound] = {}
         self._threads: list[threading.Thread] = []
+        self._abort_token = 0
+        self._departed: OrderedDict[str, None] = OrderedDict()
         self._runs_cache: OrderedDict[tuple[Any, ...], tuple[BlockRun, ...]] = OrderedDict()
         self._server = socket.create_server((settings.address, settings.port), reuse_port=False)
         self._server.settimeout(None)
@@ -246,6 +250,25 @@ class CommManager:
         Raises TransferTimeout, PeerDisconnected, or the first error a signal hit."""
         self._outbound_state(peer).flush(self.settings.timeout if timeout is None else timeout)
 
+    def expect(self, seq_id: SeqId, *, sender: str | bytes) -> None:
+        """Receiver side: declare which sender will fill ``seq_id`` (its instance id or its metadata).
+
+        If that sender disconnects — or already has — the sequence fails at once with PeerDisconnected
+        instead of running out the waiter's timeout. Takes a slot (SlotsExhausted when full). Non-blocking.
+        """
+        instance = sender if isinstance(sender, str) else wire.decode_metadata(sender)["instance"]
+        st = self._table.acquire(seq_id, peer=instance)
+        if st is not None and st.peer == instance:
+            with self._lock:
+                gone = instance in self._departed
+            if gone:
+                self._table.fail(seq_id, PeerDisconnected(f"sender {instance} disconnected before {seq_id!r} landed"))
+
+    def inbound_peers(self) -> list[str]:
+        """Instance ids of the senders connected to us now."""
+        with self._lock:
+            return [ib.peer for ib in self._inbound.values() if ib.peer is not None]
+
     def wait(self, seq_id: SeqId, *, timeout: float) -> None:
         """Block until the sequence's signal arrived and all its puts landed (receiver side).
 
@@ -270,6 +293,46 @@ class CommManager:
             outs = list(self._outbound)
         for st in outs:
             st.forget(seq_id)
+
+    def abort(self, seq_id: SeqId, *, timeout: float) -> None:
+        """Receiver side: cancel a sequence so that its blocks can be reused safely (a fence).
+
+        Every connected sender is told to stop writing ``seq_id``; each stops accepting puts for it,
+        waits until its earlier puts have landed, and confirms. When this returns, no byte of ``seq_id``
+        can land any more, and its slot is free. Blocking up to ``timeout``; raises TransferTimeout if a
+        live sender did not confirm (then the blocks must not be reused yet). Senders that went away
+        cannot write and are not waited for. Waiters of the sequence get SequenceAborted.
+        """
+        self._check_open()
+        self._table.fail(seq_id, SequenceAborted(f"sequence {seq_id!r} was aborted by the receiver"))
+        with self._lock:
+            inbound = [ib for ib in self._inbound.values() if ib.peer is not None]
+            self._abort_token += 1
+            token = self._abort_token
+        waits = []
+        for ib in inbound:
+            ack = ib.expect_ack(seq_id, token)
+            try:
+                ib.conn.send(FrameType.ABORT, wire.encode_abort(seq_id, token))
+                waits.append((ib, ack))
+            except KVTransportError:
+                ib.forget_ack(seq_id, token)  # the sender is gone: it cannot write any more
+        deadline = time.monotonic() + timeout
+        for ib, ack in waits:
+            if not ack.wait(max(0.0, deadline - time.monotonic())) and not ib.closed:
+                raise TransferTimeout(
+                    f"sender {ib.peer} did not confirm the abort of {seq_id!r} within {timeout:.3g}s; "
+                    "do not reuse its blocks yet"
+                )
+        self._table.release(seq_id)
+        with self._stats_lock:
+            self._stats.aborted += 1
+
+    def cancel(self, peer: Peer, seq_id: SeqId) -> None:
+        """Sender side: give a sequence up. Further puts/signals for it raise SequenceAborted; once the
+        puts already issued have landed, the receiver is told, and its waits fail with SequenceAborted
+        (so it may reuse the blocks at once). Non-blocking."""
+        self._outbound_state(peer).cancel(seq_id)
 
     def disconnect(self, peer: Peer) -> None:
         """Close the link to ``peer`` (idempotent)."""
@@ -377,6 +440,12 @@ class CommManager:
     def _drop_inbound(self, inbound: _Inbound) -> None:
         with self._lock:
             self._inbound.pop(id(inbound), None)
+            if inbound.peer is not None:
+                self._departed[inbound.peer] = None
+                while len(self._departed) > 1024:
+                    self._departed.popitem(last=False)
+        if inbound.peer is not None:  # sequences expected from it (and not landed) fail now
+            self._table.fail_peer(inbound.peer, PeerDisconnected(f"sender {inbound.peer} disconnected"))
 
 
 def _metadata_fields(data: bytes) -> dict[str, Any]:
@@ -391,6 +460,23 @@ class _Inbound:
         self.conn = conn
         self.link: InboundLink | None = None
         self.peer: str | None = None
+        self.closed = False
+        self._acks: dict[tuple[SeqId, int], threading.Event] = {}
+        self._acks_lock = threading.Lock()
+
+    def expect_ack(self, seq: SeqId, token: int) -> threading.Event:
+        ev = threading.Event()
+        with self._acks_lock:
+            self._acks[(seq, token)] = ev
+            if self.closed:
+                ev.set()
+        return ev
+
+    def forget_ack(self, seq: SeqId, token: int) -> None:
+        with self._acks_lock:
+            ev = self._acks.pop((seq, token), None)
+        if ev is not None:
+            ev.set()
 
     def serve(self) -> None:
         cm = self.cm
@@ -415,6 +501,16 @@ class _Inbound:
                             cm._table.mark_layer(seq, layer, peer=self.peer)
                     except SlotsExhausted as exc:
                         self.conn.send(FrameType.NACK, wire.encode_error(seq, exc))
+                elif kind == FrameType.ABORT_ACK:
+                    seq, token = wire.decode_abort(payload)
+                    self.forget_ack(seq, token)
+                elif kind == FrameType.CANCEL:
+                    seq = wire.decode_cancel(payload)
+                    try:  # record it even if nobody waits yet, so a later wait fails at once
+                        cm._table.acquire(seq, peer=self.peer, remote=True)
+                    except SlotsExhausted:
+                        pass
+                    cm._table.fail(seq, SequenceAborted(f"sequence {seq!r} was cancelled by the sender"))
                 elif kind == FrameType.PING:
                     self.conn.send(FrameType.PONG)
                 else:
@@ -507,6 +603,11 @@ class _Inbound:
             cm._stats.bytes_received += nblocks * cm.layout.layers[layer].block_bytes
 
     def close(self) -> None:
+        with self._acks_lock:
+            self.closed = True  # a sender that is gone cannot write: release everyone waiting for its ack
+            acks, self._acks = list(self._acks.values()), {}
+        for ev in acks:
+            ev.set()
         self.conn.close()
         link, self.link = self.link, None
         if link is not None:
@@ -526,10 +627,11 @@ class _Outbound:
         self.info = info
         self.one_sided = cm.capabilities.one_sided
         self._lock = threading.Lock()
+        self._put_lock = threading.Lock()
         self._failed: dict[SeqId, KVTransportError] = {}
         self._error: KVTransportError | None = None
         self._closed = False
-        self._queue: queue.Queue[tuple[SeqId, int | None] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[FrameType, bytes] | None] = queue.Queue()
         self._pending = 0
         self._idle = threading.Condition(self._lock)
         self._reader = cm._spawn(self._read_loop, f"kvt-out-{info.instance[:6]}")
@@ -546,23 +648,46 @@ class _Outbound:
                 raise self._failed[seq]
 
     def put(self, seq: SeqId, layer: int, runs: Sequence[BlockRun]) -> None:
-        self._check(seq)
-        if not self.one_sided:
-            self.conn.send(FrameType.PUT, wire.encode_put(seq, layer, runs))
-        try:
-            self.link.put(layer, runs)
-        except KVTransportError as exc:
-            self._fail_link(exc)
-            raise
+        with self._put_lock:  # an abort fence cannot slip between the check and the issue
+            self._check(seq)
+            if not self.one_sided:
+                self.conn.send(FrameType.PUT, wire.encode_put(seq, layer, runs))
+            try:
+                self.link.put(layer, runs)
+            except KVTransportError as exc:
+                self._fail_link(exc)
+                raise
+
+    def mark_failed(self, seq: SeqId, exc: KVTransportError) -> None:
+        with self._lock:
+            self._failed[seq] = exc
+
+    def _on_abort(self, seq: SeqId, token: int) -> None:
+        """The receiver aborts ``seq``: refuse further puts, let issued ones land, then confirm."""
+        with self._put_lock:
+            self.mark_failed(seq, SequenceAborted(f"sequence {seq!r} was aborted by the receiver"))
+        if self.one_sided:
+            self.link.flush(self.cm.settings.timeout)
+        self.conn.send(FrameType.ABORT_ACK, wire.encode_abort(seq, token))
 
     def signal(self, seq: SeqId, layer: int | None) -> None:
         self._check(seq)
+        self._control(FrameType.SIGNAL, wire.encode_signal(seq, layer))
+
+    def cancel(self, seq: SeqId) -> None:
+        with self._put_lock:
+            self.mark_failed(seq, SequenceAborted(f"sequence {seq!r} was cancelled by the sender"))
+        self._control(FrameType.CANCEL, wire.encode_cancel(seq))
+
+    def _control(self, kind: FrameType, payload: bytes) -> None:
+        """Send a frame that must arrive after every earlier put has landed (one-sided: flush first,
+        on the signaller thread; two-sided: the side channel's order is enough)."""
         if self.one_sided:
             with self._lock:
                 self._pending += 1
-            self._queue.put((seq, layer))
+            self._queue.put((kind, payload))
         else:
-            self.conn.send(FrameType.SIGNAL, wire.encode_signal(seq, layer))
+            self.conn.send(kind, payload)
 
     def flush(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -594,7 +719,7 @@ class _Outbound:
             try:
                 if items and self._error is None:
                     self.link.flush(self.cm.settings.timeout)
-                    self.conn.send_many([(FrameType.SIGNAL, wire.encode_signal(seq, layer)) for seq, layer in items])
+                    self.conn.send_many(items)
             except KVTransportError as exc:
                 self._fail_link(exc)
             finally:
@@ -613,6 +738,8 @@ class _Outbound:
                     with self._lock:
                         self._failed[seq] = exc
                     self.cm._count_failure()
+                elif kind == FrameType.ABORT:
+                    self._on_abort(*wire.decode_abort(payload))
                 elif kind == FrameType.PONG:
                     pass
                 else:

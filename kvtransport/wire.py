@@ -17,6 +17,9 @@ Frame types and payloads:
     PUT        client->server  seq | u32 layer | u32 nruns | nruns x (i64 src, i64 dst, i64 count)
     SIGNAL     client->server  seq | i32 layer (-1: whole sequence)
     NACK       server->client  seq | JSON {"error": class name, "message": text}
+    ABORT      server->client  seq | u64 token   (receiver aborts: stop writing, flush, then ABORT_ACK)
+    ABORT_ACK  client->server  seq | u64 token   (no write for seq can land after this)
+    CANCEL     client->server  seq               (sender gave the sequence up; receiver's waits fail)
     PING/PONG  either way      empty
 where ``seq`` is u16 length + UTF-8 JSON of the id (a string or an integer).
 """
@@ -58,6 +61,9 @@ class FrameType(enum.IntEnum):
     NACK = 7
     PING = 8
     PONG = 9
+    ABORT = 10
+    ABORT_ACK = 11
+    CANCEL = 12
 
 
 # ---------------------------------------------------------------------- metadata
@@ -212,6 +218,29 @@ def decode_signal(payload: bytes) -> tuple[SeqId, int | None]:
     if layer < -1:
         raise ProtocolError(f"SIGNAL frame has invalid layer {layer}")
     return seq, (None if layer == -1 else layer)
+
+
+def encode_abort(seq: SeqId, token: int) -> bytes:
+    return _encode_seq(seq) + struct.pack("!Q", token)
+
+
+def decode_abort(payload: bytes) -> tuple[SeqId, int]:
+    seq, off = _decode_seq(payload, 0)
+    if len(payload) != off + 8:
+        raise ProtocolError("ABORT frame has the wrong length")
+    (token,) = struct.unpack_from("!Q", payload, off)
+    return seq, token
+
+
+def encode_cancel(seq: SeqId) -> bytes:
+    return _encode_seq(seq)
+
+
+def decode_cancel(payload: bytes) -> SeqId:
+    seq, off = _decode_seq(payload, 0)
+    if len(payload) != off:
+        raise ProtocolError("CANCEL frame has the wrong length")
+    return seq
 
 
 def encode_error(seq: SeqId | None, exc: BaseException) -> bytes:

@@ -204,3 +204,46 @@ def test_no_environment_writes_at_import():
     code = "import os; before=dict(os.environ); import kvtransport, kvtransport.registry; kvtransport.available_backends(); print(before == dict(os.environ))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "True"
+
+
+def test_abort_fences_the_sender(pair):
+    s, r, _, dst = pair
+    peer = s.connect(r.metadata())
+    s.put_layer(peer, "a", 0, [1, 2], [3, 4])
+    s.signal_layer(peer, "a", 0)
+    r.wait_layer("a", 0, timeout=5)
+    r.abort("a", timeout=5)  # returns once the sender confirmed
+    with pytest.raises(kt.SequenceAborted):
+        s.put_layer(peer, "a", 1, [1, 2], [3, 4])
+    with pytest.raises(kt.SequenceAborted):
+        s.signal(peer, "a")
+    dst.backing[:] = 0  # the receiver reuses the blocks: nothing of "a" may land any more
+    s.flush(peer, timeout=5)
+    assert not dst.backing.any()
+    assert r.stats()["slots_in_use"] == 0 and r.stats()["aborted"] == 1
+    s.release("a")  # the sender forgets it; the id can be used again later
+    s.put_layer(peer, "b", 1, [5], [6])
+    s.signal(peer, "b")
+    r.wait("b", timeout=5)
+
+
+def test_abort_with_no_sender_returns_at_once(pair):
+    _, r, _, _ = pair
+    t0 = time.monotonic()
+    r.abort("nobody", timeout=5)
+    assert time.monotonic() - t0 < 1
+
+
+def test_sender_cancel_fails_receiver_wait(pair):
+    s, r, _, _ = pair
+    peer = s.connect(r.metadata())
+    s.put_layer(peer, "c", 0, [0], [0])
+    s.signal_layer(peer, "c", 0)
+    r.wait_layer("c", 0, timeout=5)
+    s.cancel(peer, "c")
+    t0 = time.monotonic()
+    with pytest.raises(kt.SequenceAborted, match="cancelled by the sender"):
+        r.wait("c", timeout=10)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(kt.SequenceAborted):
+        s.signal(peer, "c")

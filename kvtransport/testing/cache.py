@@ -149,3 +149,21 @@ def verify_transfer(
             if len(problems) > 20:
                 return problems
     return problems
+
+
+def _block_index(cache: HostCache | CudaCache, block: int) -> tuple[Any, ...]:
+    return (slice(None),) * cache.block_dim + (block,)
+
+
+def read_block(cache: HostCache | CudaCache, layer: int, block: int) -> bytes:
+    """One (layer, block) piece in logical order, as bytes (works for host and CUDA caches)."""
+    v = cache.views[f"layers.{layer}"][_block_index(cache, block)]
+    if isinstance(cache, CudaCache):
+        return bytes(v.cpu().contiguous().numpy().tobytes())
+    return bytes(np.ascontiguousarray(v).tobytes())
+
+
+def zero_block(cache: HostCache | CudaCache, block: int) -> None:
+    """Overwrite one block in every layer with zeros (what a reusing server does before handing it out)."""
+    for name in cache.views:
+        cache.views[name][_block_index(cache, block)] = 0

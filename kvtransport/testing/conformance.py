@@ -26,12 +26,14 @@ from .. import (
     CommClosed,
     IncompatiblePeer,
     PeerDisconnected,
+    ProtocolError,
     SequenceAborted,
     SlotsExhausted,
     TransferTimeout,
 )
 from .. import open as kv_open
 from .cache import ORDERS, CacheSpec, host_copy, make_cache, verify_transfer
+from .faults import KILL_SPEC
 from .harness import RoleLink, run_pair
 
 WAIT = 60.0
@@ -312,6 +314,35 @@ def slots_sender(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# ============================================================== scenario: shared secret
+def secret_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
+    cache = make_cache(CacheSpec(**cfg["receiver_spec"]), _devices(cfg)[1])
+    with _open(cfg, cache.layout, secret="s3cret") as cm:
+        link.publish(cm.metadata())
+        cm.wait("friend", timeout=WAIT)
+        stats = cm.stats()
+    return {"refused": stats["refused_peers"]}
+
+
+def secret_sender(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
+    cache = make_cache(CacheSpec(**cfg["sender_spec"]), _devices(cfg)[0], fill_seed=8)
+    meta = link.peer_metadata()
+    outcomes = []
+    for secret in (None, "wrong"):
+        with _open(cfg, cache.layout, **({"secret": secret} if secret else {})) as stranger:
+            try:
+                stranger.connect(meta)
+                outcomes.append("connected")
+            except ProtocolError as exc:
+                outcomes.append("refused" if "KV_TRANSPORT_SECRET" in str(exc) else str(exc))
+    with _open(cfg, cache.layout, secret="s3cret") as cm:
+        peer = cm.connect(meta)
+        cm.put_layer(peer, "friend", 0, [1], [1])
+        cm.signal(peer, "friend")
+        cm.flush(peer, timeout=WAIT)
+    return {"outcomes": outcomes}
+
+
 # ============================================================== the suite
 _SMALL = CacheSpec(num_layers=2, num_blocks=16, heads=2, block_size=4, head_dim=16, itemsize=2, order="NHD")
 
@@ -379,6 +410,40 @@ class ConformanceSuite:
         assert s["outcome"] == "IncompatiblePeer"
         assert "differs" in s["message"]
         assert r["untouched"] and r["bytes_received"] == 0
+
+    def test_unauthenticated_peer_refused(self) -> None:
+        r, s = self.pair("secret", self.cfg())
+        assert s["outcomes"] == ["refused", "refused"]
+        assert r["refused"] == 2
+
+    def test_abort_storm(self) -> None:
+        """1,000 sequences, random aborts (receiver) and cancels (sender) while blocks are reused."""
+        r, s = run_pair("kvtransport.testing.faults.storm_receiver", "kvtransport.testing.faults.storm_sender",
+                        self.cfg(seed=11, storm_seqs=1000), timeout=600)
+        assert r["problems"] == [], r["problems"]
+        assert r["dirty_free_blocks"] == [], "late data landed in freed blocks"
+        assert r["slots_in_use"] == 0
+        c = r["counts"]
+        assert sum(c.values()) == 1000 and c["completed"] > 500 and c["aborted"] > 100 and c["cancelled"] > 50, c
+        assert s["cancelled"] >= c["cancelled"]  # a cancel may race with (and lose to) an abort
+
+    def test_kill_senders_at_random_points(self) -> None:
+        from .faults import kill_senders
+
+        out = kill_senders(self.cfg(spec=KILL_SPEC.to_dict(), seed=5), rounds=10, per_round=12)
+        assert out["transfers"] >= 120
+        assert out["problems"] == [] and out["leaks"] == [], out
+        assert out["late_s"] < 15, "a wait outlived its bound"
+        assert out["failed"] > 0 and out["completed"] > 12, out
+
+    def test_kill_receivers_at_random_points(self) -> None:
+        from .faults import kill_receivers
+
+        out = kill_receivers(self.cfg(spec=KILL_SPEC.to_dict(), seed=6), rounds=8, per_round=12)
+        assert out["transfers"] >= 96
+        assert out["leaks"] == [] and out["fresh"] == "ok", out
+        assert out["late_s"] < 15, "an operation outlived its bound"
+        assert out["failed"] > 0, out
 
     def test_slot_exhaustion_and_reuse(self) -> None:
         r, s = self.pair("slots", self.cfg())

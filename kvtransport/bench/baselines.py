@@ -1,0 +1,407 @@
+"""Baselines measured in the same run: the ceiling, raw torch.distributed send/recv, NIXL; and the
+per-layer compute time of the overlap workload.
+
+* Ceiling: one contiguous copy of the same bytes in one process: ``memcpy`` (``numpy.copyto``) on CPU,
+  GPU0 -> GPU1 ``copy_`` timed with CUDA events on CUDA (as ``kvtransport.demo.copy_baseline``).
+* Raw ``torch.distributed``: a 2-rank process group (gloo for host memory, NCCL for CUDA) in two
+  processes, one ``send`` of the bytes (messages of at most 256 MiB), timed with the roles' protocol.
+* NIXL (``nixl`` wheel, UCX backend), when importable: prepared descriptor lists over the same layouts,
+  one WRITE with a notification per request, timed with the same protocol.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Any
+
+from .common import (
+    FILL,
+    alloc,
+    done,
+    gbps,
+    is_filled,
+    make_cache,
+    now,
+    progress,
+    set_bytes,
+    summarize,
+    sync,
+    torch_module,
+    use_device,
+)
+
+RAW_CHUNK = 256 << 20
+"""Largest single message of the raw send/recv baseline (bigger requests go as several messages)."""
+
+
+# ====================================================================== ceiling
+class Ceiling:
+    """Contiguous-copy bandwidth of a given size, measured once per size and cached.
+
+    Sizes above ``cap`` are measured at ``cap`` (copy bandwidth is flat well below it; ``measured_at``
+    in the result says so)."""
+
+    def __init__(self, device: str, cap: int, samples: int = 5) -> None:
+        self.device = device
+        self.cap = cap
+        self.samples = samples
+        self.cache: dict[int, dict[str, Any]] = {}
+        self.method = "memcpy (numpy.copyto, 1 thread)" if device == "cpu" else "cuda:0 -> cuda:1 copy_ (CUDA events)"
+
+    def measure(self, nbytes: int) -> dict[str, Any]:
+        """``{"gbps", "seconds", "measured_at", "method"}`` for a copy of ``nbytes``."""
+        if nbytes in self.cache:
+            return self.cache[nbytes]
+        n = min(nbytes, self.cap)
+        inner = max(1, (8 << 20) // n)  # several copies per sample for small sizes (timer resolution)
+        secs = self._host(n, inner) if self.device == "cpu" else self._cuda(n, inner)
+        out = {"gbps": gbps(n, secs), "seconds": secs * nbytes / n, "measured_at": n, "method": self.method}
+        self.cache[nbytes] = out
+        return out
+
+    def _host(self, n: int, inner: int) -> float:
+        import numpy as np
+
+        a = np.full(n, FILL, dtype=np.uint8)
+        b = np.zeros_like(a)
+        np.copyto(b, a)
+        ts = []
+        for _ in range(self.samples):
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                np.copyto(b, a)
+            ts.append((time.perf_counter() - t0) / inner)
+        return statistics.median(ts)
+
+    def _cuda(self, n: int, inner: int) -> float:
+        torch = torch_module()
+        dst_dev = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+        src = torch.full((n,), FILL, dtype=torch.uint8, device="cuda:0")
+        dst = torch.empty(n, dtype=torch.uint8, device=dst_dev)
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(self.samples):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(inner):
+                dst.copy_(src, non_blocking=True)
+            e1.record()
+            torch.cuda.synchronize()
+            ts.append(e0.elapsed_time(e1) / 1e3 / inner)
+        del src, dst
+        torch.cuda.empty_cache()
+        return float(statistics.median(ts))
+
+
+# ====================================================================== per-layer compute
+def layer_compute_seconds(hidden: int, tp: int, tokens: int, device: str, cpu_max_tokens: int = 512) -> tuple[float, str]:
+    """Time of ``[tokens, hidden] @ [hidden, hidden/tp]`` in bf16 on ``device`` (median of 3 after a warm-up).
+
+    On CPU the matmul is measured at ``min(tokens, cpu_max_tokens)`` rows and scaled linearly to
+    ``tokens`` (the note says so). Returns (seconds, how it was obtained)."""
+    torch = torch_module()
+    n = max(1, hidden // tp)
+    rows = tokens if device != "cpu" else min(tokens, cpu_max_tokens)
+    dev = "cuda:0" if device != "cpu" else "cpu"
+    dtype = torch.bfloat16
+    a = torch.randn(rows, hidden, dtype=dtype, device=dev)
+    w = torch.randn(hidden, n, dtype=dtype, device=dev)
+    o = torch.empty(rows, n, dtype=dtype, device=dev)
+    torch.matmul(a, w, out=o)
+    ts = []
+    for _ in range(3):
+        if dev == "cpu":
+            t0 = time.perf_counter()
+            torch.matmul(a, w, out=o)
+            ts.append(time.perf_counter() - t0)
+        else:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            torch.matmul(a, w, out=o)
+            e1.record()
+            e1.synchronize()
+            ts.append(e0.elapsed_time(e1) / 1e3)
+    secs = float(statistics.median(ts)) * tokens / rows
+    shape = f"bf16 [{tokens}, {hidden}] @ [{hidden}, {n}] on {dev}"
+    note = shape if rows == tokens else f"{shape}, measured at {rows} rows and scaled x{tokens / rows:g}"
+    return secs, note
+
+
+# ====================================================================== raw torch.distributed
+def _raw_group(link: Any, cfg: dict[str, Any], rank: int) -> Any:
+    import datetime
+
+    torch = torch_module()
+    dist = torch.distributed
+    kind = "gloo" if cfg["send_device"] == "cpu" else "nccl"
+    timeout = datetime.timedelta(seconds=cfg["timeout"])
+    if rank == 1:  # receiver hosts the store
+        store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timeout)
+        link.publish(str(store.port).encode())
+    else:
+        port = int(link.peer_metadata().decode())
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timeout)
+    dev = cfg["recv_device"] if rank == 1 else cfg["send_device"]
+    if kind == "nccl":
+        torch.cuda.set_device(dev)
+    dist.init_process_group(kind, store=store, rank=rank, world_size=2, timeout=timeout)
+    return dist
+
+
+def _chunks(nbytes: int) -> list[int]:
+    out = [RAW_CHUNK] * (nbytes // RAW_CHUNK)
+    if nbytes % RAW_CHUNK:
+        out.append(nbytes % RAW_CHUNK)
+    return out
+
+
+def raw_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    dist = _raw_group(link, cfg, 1)
+    dev = cfg["recv_device"]
+    buf = alloc(min(max(cfg["sizes"]), RAW_CHUNK), dev, None)
+    flat = _as_torch(buf).view(-1)
+    rows = []
+    for i, (size, reps) in enumerate(zip(cfg["sizes"], cfg["reps"], strict=True)):
+        set_bytes(flat[:16], 0)
+        t1s = []
+        for r in range(1 + reps):
+            link.barrier(f"raw{i}-{r}")
+            works = [dist.irecv(flat[:c], src=0) for c in _chunks(size)]
+            for w in works:
+                w.wait()
+            sync(dev)
+            t1s.append(now())
+        d = [b - a for a, b in zip(link.recv_value(), t1s, strict=True)][1:]
+        st = summarize(d)
+        rows.append({"case": {"size": size}, "bytes": size, "samples_s": d, **st, "gbps": gbps(size, st["median_s"]),
+                     "verified": is_filled(flat[:16], FILL)})
+        progress(cfg, i, f"{cfg['label']} {_fmt(size)}: {rows[-1]['gbps']:.3g} GB/s")
+    link.barrier("end")
+    dist.destroy_process_group()
+    return done({"rows": rows})
+
+
+def raw_sender(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    dist = _raw_group(link, cfg, 0)
+    dev = cfg["send_device"]
+    flat = _as_torch(alloc(min(max(cfg["sizes"]), RAW_CHUNK), dev, FILL)).view(-1)
+    for i, (size, reps) in enumerate(zip(cfg["sizes"], cfg["reps"], strict=True)):
+        t0s = []
+        for r in range(1 + reps):
+            link.barrier(f"raw{i}-{r}")
+            t0s.append(now())
+            works = [dist.isend(flat[:c], dst=1) for c in _chunks(size)]
+            for w in works:
+                w.wait()
+        link.send_value(t0s)
+    link.barrier("end")
+    dist.destroy_process_group()
+    return done({})
+
+
+def _as_torch(a: Any) -> Any:
+    torch = torch_module()
+    return a if isinstance(a, torch.Tensor) else torch.from_numpy(a)
+
+
+# ====================================================================== NIXL
+def nixl_version() -> str | None:
+    """The installed nixl version, or None when ``import nixl`` fails."""
+    import importlib
+
+    try:
+        importlib.import_module("nixl")
+    except Exception:
+        return None
+    from importlib import metadata
+
+    for dist_name in ("nixl", "nixl-cu12", "nixl-cu13"):
+        try:
+            return metadata.version(dist_name)
+        except metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def _nixl_agent(role: str) -> Any:
+    import importlib
+
+    api: Any = importlib.import_module("nixl._api")
+    return api.nixl_agent(f"kvbench-{role}-{os.getpid()}", api.nixl_agent_config(backends=["UCX"]))
+
+
+def _mem(device: str) -> tuple[str, int]:
+    """NIXL memory type and device id of a torch/cpu device string."""
+    if device == "cpu":
+        return "DRAM", 0
+    return "VRAM", int(device.split(":")[1]) if ":" in device else 0
+
+
+def _ptr(a: Any) -> int:
+    return int(a.data_ptr()) if hasattr(a, "data_ptr") else int(a.ctypes.data)
+
+
+def _nbytes(a: Any) -> int:
+    return int(a.numel() * a.element_size()) if hasattr(a, "element_size") else int(a.nbytes)
+
+
+class _NixlRegion:
+    """A set of equally described pieces over registered buffers: ``descs[i] = (addr, len, dev)``."""
+
+    def __init__(self, agent: Any, buffers: list[Any], descs: list[tuple[int, int, int]], device: str) -> None:
+        self.mem, self.dev = _mem(device)
+        self.agent = agent
+        self.reg = agent.register_memory([(_ptr(b), _nbytes(b), self.dev, "") for b in buffers], self.mem)
+        self.descs = descs
+
+
+def _sweep_region(agent: Any, cfg: dict[str, Any], device: str, fill: int | None) -> tuple[_NixlRegion, list[Any]]:
+    arrays = [alloc(s, device, fill) for s in cfg["sizes"]]
+    _, dev = _mem(device)
+    return _NixlRegion(agent, arrays, [(_ptr(a), _nbytes(a), dev) for a in arrays], device), arrays
+
+
+def _kv_region(agent: Any, cache: Any, device: str) -> _NixlRegion:
+    layout = cache.layout
+    _, dev = _mem(device)
+    descs = [(p.address(b), p.piece_bytes, dev) for layer in layout.layers for p in layer.planes
+             for b in range(layout.num_blocks)]
+    return _NixlRegion(agent, [cache.backing], descs, device)
+
+
+def _kv_indices(cache: Any, blocks: list[int]) -> list[int]:
+    layout = cache.layout
+    out: list[int] = []
+    k = 0
+    for layer in layout.layers:
+        for _ in layer.planes:
+            base = k * layout.num_blocks
+            out.extend(base + b for b in blocks)
+            k += 1
+    return out
+
+
+def nixl_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    use_device(cfg["recv_device"])
+    agent = _nixl_agent("recv")
+    link.publish(agent.get_agent_metadata())
+    rows: list[dict[str, Any]] = []
+    dev = cfg["recv_device"]
+    k = 0
+    for item in cfg["items"]:
+        if item["kind"] == "sweep":
+            region, arrays = _sweep_region(agent, cfg, dev, None)
+            link.send_value(region.descs)
+            sender = str(link.recv_value())
+            for i, size in enumerate(cfg["sizes"]):
+                set_bytes(arrays[i], 0)
+                d = _nixl_recv_reps(link, agent, sender, [f"nsw{i}-{r}" for r in range(1 + cfg["sweep_reps"][i])])
+                st = summarize(d)
+                rows.append({"workload": "sweep", "case": {"size": size}, "bytes": size, "samples_s": d, **st,
+                             "gbps": gbps(size, st["median_s"]), "verified": is_filled(arrays[i], FILL)})
+                progress(cfg, k, f"nixl sweep {_fmt(size)}: {rows[-1]['gbps']:.3g} GB/s")
+                k += 1
+            agent.deregister_memory(region.reg)
+        else:
+            from .plan import block_ids
+            from .roles import _spec
+
+            shape = item["shape"]
+            cache = make_cache(_spec(shape), dev, None)
+            region = _kv_region(agent, cache, dev)
+            link.send_value(region.descs)
+            sender = str(link.recv_value())
+            for case in item["cases"]:
+                _, dst = block_ids(case["pattern"], shape["request_blocks"], shape["pool_blocks"], cfg["seed"])
+                probe = cache.views["layers.0"][dst[0]]
+                set_bytes(probe, 0)
+                d = _nixl_recv_reps(link, agent, sender, [f"nkv{case['index']}-{r}" for r in range(1 + case["reps"])])
+                st = summarize(d)
+                nbytes = shape["request_bytes"]
+                rows.append({"workload": "kv", "case": {"preset": shape["preset"], "tokens": shape["tokens"],
+                                                        "ids": case["pattern"], "coalesce": None},
+                             "bytes": nbytes, "samples_s": d, **st, "gbps": gbps(nbytes, st["median_s"]),
+                             "verified": is_filled(probe, FILL)})
+                progress(cfg, k, f"nixl kv {shape['preset']} {shape['tokens']} {case['pattern']}: "
+                         f"{rows[-1]['gbps']:.3g} GB/s")
+                k += 1
+            agent.deregister_memory(region.reg)
+            del cache
+        link.barrier(f"nixl-item-end-{item['index']}")
+    link.barrier("end")
+    return done({"rows": rows})
+
+
+def _nixl_recv_reps(link: Any, agent: Any, sender: str, seqs: list[str]) -> list[float]:
+    t1s = []
+    for seq in seqs:
+        link.barrier(seq)
+        tag = seq.encode()
+        while not agent.check_remote_xfer_done(sender, tag):
+            pass
+        t1s.append(now())
+    return [b - a for a, b in zip(link.recv_value(), t1s, strict=True)][1:]
+
+
+def nixl_sender(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    use_device(cfg["send_device"])
+    agent = _nixl_agent("send")
+    remote = agent.add_remote_agent(link.peer_metadata())
+    dev = cfg["send_device"]
+    mem, _ = _mem(dev)
+    for item in cfg["items"]:
+        if item["kind"] == "sweep":
+            region, _arrays = _sweep_region(agent, cfg, dev, FILL)
+            lh, rh = _nixl_prep(agent, remote, region, link.recv_value(), mem)
+            link.send_value(agent.name)
+            for i in range(len(cfg["sizes"])):
+                _nixl_send_reps(link, agent, lh, rh, [i], [i], [f"nsw{i}-{r}" for r in range(1 + cfg["sweep_reps"][i])])
+        else:
+            from .plan import block_ids
+            from .roles import _spec
+
+            shape = item["shape"]
+            cache = make_cache(_spec(shape), dev, FILL)
+            region = _kv_region(agent, cache, dev)
+            lh, rh = _nixl_prep(agent, remote, region, link.recv_value(), mem)
+            link.send_value(agent.name)
+            for case in item["cases"]:
+                src, dst = block_ids(case["pattern"], shape["request_blocks"], shape["pool_blocks"], cfg["seed"])
+                _nixl_send_reps(link, agent, lh, rh, _kv_indices(cache, src), _kv_indices(cache, dst),
+                                [f"nkv{case['index']}-{r}" for r in range(1 + case["reps"])])
+        agent.release_dlist_handle(lh)
+        agent.release_dlist_handle(rh)
+        agent.deregister_memory(region.reg)
+        link.barrier(f"nixl-item-end-{item['index']}")
+    link.barrier("end")
+    return done({"path": "nixl UCX"})
+
+
+def _nixl_prep(agent: Any, remote: str, region: _NixlRegion, remote_descs: list[Any], mem: str) -> tuple[Any, Any]:
+    lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", region.descs, mem)
+    rh = agent.prep_xfer_dlist(remote, [tuple(d) for d in remote_descs], mem)
+    return lh, rh
+
+
+def _nixl_send_reps(link: Any, agent: Any, lh: Any, rh: Any, li: list[int], ri: list[int], seqs: list[str]) -> None:
+    t0s = []
+    for seq in seqs:
+        link.barrier(seq)
+        t0s.append(now())
+        h = agent.make_prepped_xfer("WRITE", lh, li, rh, ri, seq.encode())
+        state = agent.transfer(h)
+        while state == "PROC":
+            state = agent.check_xfer_state(h)
+        if state != "DONE":
+            raise RuntimeError(f"NIXL transfer {seq} ended in state {state}")
+        agent.release_xfer_handle(h)
+    link.send_value(t0s)
+
+
+def _fmt(size: int) -> str:
+    from .plan import fmt_bytes
+
+    return fmt_bytes(size)

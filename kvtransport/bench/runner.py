@@ -1,0 +1,470 @@
+"""``kvtransport bench`` driver: plan the run, run every (system, workload) pair, write the outputs.
+
+Each kvtransport backend runs each workload in its own pair of spawned processes (a failure is
+recorded as an error row and the run goes on). Baselines run in the same invocation. Outputs under
+``--out``: ``results.json`` (machine, options, every row, skips), ``table.txt`` (what the terminal
+showed) and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import asdict
+from typing import Any
+
+from .plan import (
+    ID_PATTERNS,
+    MODEL_SHAPES,
+    WORKLOADS,
+    GiB,
+    KiB,
+    KVShape,
+    MiB,
+    Options,
+    Skip,
+    block_ids,
+    fmt_bytes,
+    kv_reps,
+    kv_shape,
+    memory_budget,
+    parse_size,
+    parse_tokens,
+    sweep_reps,
+    sweep_sizes,
+)
+
+SMOKE_PRESETS = ("llama-3.1-8b", "deepseek-v3-mla")
+"""--smoke: one MHA and the MLA preset, 128-token requests, sweep 4 KiB .. 1 MiB, 20 latency sequences."""
+
+
+def parse_args(argv: list[str] | None) -> Options:
+    """Command line -> Options (``--smoke`` shrinks every workload)."""
+    ap = argparse.ArgumentParser(prog="kvtransport bench", description="Benchmark every available kvtransport backend "
+                                 "against the link's ceiling, raw torch.distributed and NIXL, on real KV shapes.")
+    ap.add_argument("--out", default="bench-out", help="output directory (default ./bench-out)")
+    ap.add_argument("--smoke", action="store_true", help="a tiny version of every workload (CI; asserts nothing about speed)")
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                    help="memory the KV caches live in (auto: cuda when a GPU is visible); cuda: sender cuda:0, receiver cuda:1")
+    ap.add_argument("--backends", default=None, help="comma-separated backends (default: every available one except inproc)")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated subset of {','.join(WORKLOADS)}")
+    ap.add_argument("--presets", default=",".join(MODEL_SHAPES), help="comma-separated model presets")
+    ap.add_argument("--tokens", default="128,2k,32k", help="comma-separated prompt lengths")
+    ap.add_argument("--patterns", default=",".join(ID_PATTERNS), help=f"block-id patterns: {','.join(ID_PATTERNS)}")
+    ap.add_argument("--min-size", default="4K", help="smallest sweep message (default 4K)")
+    ap.add_argument("--max-size", default="1G", help="largest sweep message (default 1G; capped by memory)")
+    ap.add_argument("--reps-scale", type=float, default=1.0, help="multiply the default repetition counts")
+    ap.add_argument("--layer-compute-ms", type=float, default=None,
+                    help="overlap: per-layer compute time (default: measured matmul [tokens, hidden] @ [hidden, hidden/tp])")
+    ap.add_argument("--overlap-budget-s", type=float, default=None,
+                    help="overlap: skip cases whose emulated compute exceeds this many seconds (default 30 on CPU, none on CUDA)")
+    ap.add_argument("--overlap-reps", type=int, default=2, help="overlap: timed layer-wise prefills per case")
+    ap.add_argument("--latency-preset", default="llama-3.1-8b")
+    ap.add_argument("--latency-seqs", type=int, default=200, help="latency: one-block sequences")
+    ap.add_argument("--mem-fraction", type=float, default=0.6, help="share of available memory the two roles may use")
+    ap.add_argument("--timeout", type=float, default=120.0, help="bound of every wait inside a role, seconds")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-nixl", dest="nixl", action="store_false", help="skip the NIXL baseline even when installed")
+    ap.add_argument("--from-json", default=None, help="re-render table and plots from an earlier results.json; measure nothing")
+    a = ap.parse_args(argv)
+    device = a.device
+    if device == "auto":
+        device = "cuda" if _cuda_available() else "cpu"
+    opts = Options(
+        out=a.out, smoke=a.smoke, device=device,
+        backends=[b.strip() for b in a.backends.split(",") if b.strip()] if a.backends else None,
+        workloads=tuple(w.strip() for w in a.workloads.split(",") if w.strip()),
+        presets=tuple(p.strip() for p in a.presets.split(",") if p.strip()),
+        tokens=tuple(parse_tokens(t) for t in a.tokens.split(",") if t.strip()),
+        patterns=tuple(p.strip() for p in a.patterns.split(",") if p.strip()),
+        min_size=parse_size(a.min_size), max_size=parse_size(a.max_size), reps_scale=a.reps_scale,
+        layer_compute_ms=a.layer_compute_ms,
+        overlap_budget_s=a.overlap_budget_s if a.overlap_budget_s is not None else (30.0 if device == "cpu" else 1e9),
+        overlap_reps=a.overlap_reps, latency_preset=a.latency_preset, latency_seqs=a.latency_seqs,
+        mem_fraction=a.mem_fraction, timeout=a.timeout, seed=a.seed, nixl=a.nixl,
+    )
+    opts.extra["from_json"] = a.from_json
+    for w in opts.workloads:
+        if w not in WORKLOADS:
+            ap.error(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
+    for p in opts.patterns:
+        if p not in ID_PATTERNS:
+            ap.error(f"unknown block-id pattern {p!r}; choose from {', '.join(ID_PATTERNS)}")
+    from ..testing.cache import PRESETS
+
+    for p in (*opts.presets, opts.latency_preset):
+        if p not in PRESETS:
+            ap.error(f"unknown preset {p!r}; choose from {', '.join(sorted(PRESETS))}")
+    if opts.smoke:
+        opts.presets = SMOKE_PRESETS
+        opts.tokens = (128,)
+        opts.min_size, opts.max_size = 4 * KiB, MiB
+        opts.latency_seqs = 20
+        opts.overlap_reps = 1
+    return opts
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+# ====================================================================== the run
+class Bench:
+    """One bench run: plan, measure, collect. ``result`` is what goes into results.json."""
+
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+        self.t0 = time.time()
+        self.rows: list[dict[str, Any]] = []
+        self.skips: list[Skip] = []
+        self.errors: list[dict[str, str]] = []
+        self.paths: dict[str, str] = {}
+        self.rss: list[dict[str, Any]] = []
+        self.counter = 0
+        self.total = 0
+        if opts.device == "cuda":
+            import torch
+
+            n = torch.cuda.device_count()
+            self.send_device, self.recv_device = "cuda:0", f"cuda:{1 if n > 1 else 0}"
+        else:
+            self.send_device = self.recv_device = "cpu"
+        self.budget, self.budget_note = memory_budget(opts)
+
+    # ---------------------------------------------------------------- planning
+    def backends(self) -> tuple[list[str], list[dict[str, Any]]]:
+        """Backends to run (available, cross-process, able to move this memory) and every backend's status."""
+        import kvtransport
+        from kvtransport import registry
+
+        specs = registry.specs()
+        kind = "cuda" if self.opts.device == "cuda" else "cpu"
+        chosen, listing = [], []
+        for row in kvtransport.available_backends():
+            entry = {"name": row.name, "installed": row.installed, "available": row.available, "reason": row.reason}
+            if row.name == "inproc":
+                entry["used"] = "no: in-process test backend, cannot span processes"
+            elif not row.available:
+                entry["used"] = "no: " + (row.reason or "unavailable")
+            elif row.name in specs and kind not in specs[row.name].memory_kinds:
+                entry["used"] = f"no: cannot move {kind} memory"
+            elif self.opts.backends is not None and row.name not in self.opts.backends:
+                entry["used"] = "no: not selected (--backends)"
+            else:
+                entry["used"] = "yes"
+                chosen.append(row.name)
+            listing.append(entry)
+        if self.opts.backends:
+            for name in self.opts.backends:
+                if name not in chosen:
+                    why = next((str(e["used"]) for e in listing if e["name"] == name), "not installed")
+                    self.skips.append(Skip("all", f"backend {name}", why))
+        return chosen, listing
+
+    def plan_sweep(self) -> list[int]:
+        o = self.opts
+        sizes = sweep_sizes(o.min_size, o.max_size)
+        kept: list[int] = []
+        for s in sizes:
+            need = 2 * (sum(kept) + s)  # each role holds every size once
+            if need > self.budget:
+                self.skips.append(Skip("sweep", f"sizes >= {fmt_bytes(s)}",
+                                       f"needs {fmt_bytes(need)} across the two processes; budget {fmt_bytes(self.budget)} "
+                                       f"({self.budget_note})"))
+                break
+            kept.append(s)
+        return kept
+
+    def plan_kv(self) -> list[tuple[KVShape, list[tuple[str, int]]]]:
+        """[(shape, [(pattern, reps)])]; memory is checked per system when it runs (:meth:`fitting`)."""
+        o = self.opts
+        out = []
+        for preset in o.presets:
+            for tokens in o.tokens:
+                shape = kv_shape(preset, tokens)
+                reps = kv_reps(shape.request_bytes, o.smoke, o.reps_scale)
+                out.append((shape, [(p, reps) for p in o.patterns]))
+        return out
+
+    def fits(self, workload: str, system: str, shape: KVShape, staged: bool) -> bool:
+        """Whether the two roles of ``system`` can hold ``shape``; records a Skip when not."""
+        need = shape.pair_bytes(staged)
+        if need > self.budget:
+            what = "2 cache pools + staging" + (" + one request of send staging (two-sided backend)" if staged else "")
+            self.skips.append(Skip(workload, f"{shape.label()} on {system}",
+                                   f"needs {fmt_bytes(need)} ({what}); budget {fmt_bytes(self.budget)} "
+                                   f"({self.budget_note})"))
+            return False
+        return True
+
+    def stages(self, backend: str) -> bool:
+        """False for one-sided backends (puts go straight from the cache); True otherwise, or if unknown."""
+        import kvtransport
+        from kvtransport.layout import KVLayout
+
+        from .common import alloc
+
+        try:
+            with kvtransport.open(KVLayout.from_tensors([alloc(4096, self.send_device, 0)]), backend=backend) as cm:
+                return not cm.capabilities.one_sided
+        except Exception:
+            return True
+
+    def plan_overlap(self) -> list[dict[str, Any]]:
+        """Overlap groups: shape, per-layer compute (measured or given), emulation mode, repetitions."""
+        from .baselines import layer_compute_seconds
+
+        o = self.opts
+        groups = []
+        tokens = [t for t in o.tokens]
+        for preset in o.presets:
+            for t in tokens:
+                shape = kv_shape(preset, t)
+                hidden, tp = MODEL_SHAPES.get(preset, (4096, 1))
+                matmul = None
+                if o.layer_compute_ms is not None:
+                    secs, note = o.layer_compute_ms / 1e3, "given (--layer-compute-ms)"
+                    mode = "sleep" if o.device == "cpu" else "cuda_sleep"
+                else:
+                    secs, note = layer_compute_seconds(hidden, tp, t, o.device)
+                    mode = "sleep" if o.device == "cpu" else "matmul"
+                    matmul = [t, hidden, max(1, hidden // tp)]
+                total = o.overlap_reps * shape.num_layers * secs
+                if total > o.overlap_budget_s:
+                    self.skips.append(Skip("overlap", shape.label(), f"emulated compute {shape.num_layers} layers x "
+                                           f"{secs * 1e3:.0f} ms x {o.overlap_reps} reps = {total:.0f} s exceeds "
+                                           f"--overlap-budget-s {o.overlap_budget_s:g} ({note})"))
+                    continue
+                serial = kv_reps(shape.request_bytes, o.smoke, o.reps_scale)
+                groups.append({"shape": shape.to_dict(), "compute_s": secs, "compute_note": note, "mode": mode,
+                               "matmul": matmul, "reps": o.overlap_reps, "serial_reps": serial})
+        return groups
+
+    # ---------------------------------------------------------------- execution
+    def _cfg(self, label: str, n_rows: int, **kw: Any) -> dict[str, Any]:
+        cfg = {"label": label, "timeout": self.opts.timeout, "seed": self.opts.seed,
+               "send_device": self.send_device, "recv_device": self.recv_device,
+               "progress": {"t0": self.t0, "offset": self.counter, "total": self.total}}
+        cfg.update(kw)
+        self.counter += n_rows
+        return cfg
+
+    def say(self, text: str) -> None:
+        elapsed = time.time() - self.t0
+        print(f"[{int(elapsed) // 60:02d}:{int(elapsed) % 60:02d}] {text}", flush=True)
+
+    def pair(self, module: str, role: str, cfg: dict[str, Any], est_s: float, system: str,
+             workload: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """Run one role pair; on failure record an error and return None."""
+        from ..testing.harness import HarnessError, run_pair
+
+        timeout = 120.0 + 3.0 * est_s
+        try:
+            res = run_pair(f"kvtransport.bench.{module}.{role}_receiver", f"kvtransport.bench.{module}.{role}_sender",
+                           cfg, timeout=timeout)
+            self.rss.append({"system": system, "workload": workload, "receiver_bytes": res[0].get("peak_rss_bytes"),
+                             "sender_bytes": res[1].get("peak_rss_bytes")})
+            return res
+        except HarnessError as exc:
+            text = str(exc)
+            self.errors.append({"system": system, "workload": workload, "error": text[-4000:]})
+            first = text.strip().splitlines()
+            self.say(f"ERROR {system} {workload}: {first[-1] if first else text}"[:400])
+            return None
+
+    def add_rows(self, rows: list[dict[str, Any]], system: str, **extra: Any) -> None:
+        for r in rows:
+            r.setdefault("workload", extra.get("workload"))
+            r["system"] = system
+            r.update({k: v for k, v in extra.items() if k != "workload"})
+            self.rows.append(r)
+
+    def run(self) -> dict[str, Any]:
+        from .baselines import Ceiling, nixl_version
+        from .machine import describe, summary_line
+
+        o = self.opts
+        machine = describe(o.device)
+        self.say(f"kvtransport bench{' --smoke' if o.smoke else ''} on {o.device}: {summary_line(machine)}")
+        backends, listing = self.backends()
+        self.say("backends: " + "; ".join(f"{e['name']} ({'used' if e['used'] == 'yes' else e['used']})" for e in listing))
+        nixl_ver = nixl_version() if o.nixl else None
+        nixl_status = (f"installed ({nixl_ver})" if nixl_ver else "not installed") if o.nixl else "disabled (--no-nixl)"
+        self.say(f"NIXL: {nixl_status}; memory budget {fmt_bytes(self.budget)} ({self.budget_note})")
+
+        sizes = self.plan_sweep() if "sweep" in o.workloads else []
+        kv = self.plan_kv() if "kv" in o.workloads else []
+        overlap = self.plan_overlap() if "overlap" in o.workloads else []
+        lat_shape = kv_shape(o.latency_preset, 16 * 64)  # pool of 64 one-block sequences
+        lat_shape = KVShape(lat_shape.preset, 16, lat_shape.num_layers, lat_shape.piece_bytes, 1, 64)
+        raw_sizes = sorted(set(sizes) | {s.request_bytes for s, _ in kv})
+        plans = {}
+        for b in backends:  # memory is checked per backend: two-sided ones stage whole requests
+            system, staged = f"kvtransport/{b}", self.stages(b)
+            plans[b] = ([(sh, cs) for sh, cs in kv if self.fits("kv", system, sh, staged)],
+                        [g for g in overlap if self.fits("overlap", system, kv_shape(g["shape"]["preset"],
+                                                                                     g["shape"]["tokens"]), staged)])
+        nixl_kv = [(sh, cs) for sh, cs in kv if self.fits("kv", "nixl", sh, False)] if nixl_ver else []
+        self.total = len(raw_sizes) + ((len(sizes) + sum(len(c) for _, c in nixl_kv)) if nixl_ver else 0)
+        for pkv, pov in plans.values():
+            self.total += len(sizes) + 2 * sum(len(c) for _, c in pkv) + len(pov) + (1 if "latency" in o.workloads else 0)
+
+        ceiling = Ceiling(o.device, cap=GiB if o.device == "cpu" else 2 * GiB, samples=3 if o.smoke else 5)
+        all_sizes = sorted(set(raw_sizes) | ({lat_shape.request_bytes} if "latency" in o.workloads else set()))
+        self.say(f"ceiling: {ceiling.method} at {len(all_sizes)} sizes")
+        for s in all_sizes:
+            ceiling.measure(s)
+
+        for b in backends:
+            self._run_backend(b, sizes, plans[b][0], plans[b][1], lat_shape)
+        if raw_sizes:
+            self._run_raw(raw_sizes, sizes, kv)
+        if nixl_ver and (sizes or nixl_kv):
+            self._run_nixl(sizes, nixl_kv)
+        elif "sweep" in o.workloads or "kv" in o.workloads:
+            self.skips.append(Skip("sweep,kv", "NIXL baseline", nixl_status if o.nixl else "disabled (--no-nixl)"))
+
+        from .report import annotate
+
+        annotate(self.rows, ceiling)
+        for r in self.rows:
+            if r.get("verified") is False:
+                self.errors.append({"system": r["system"], "workload": str(r.get("workload")),
+                                    "error": f"data check failed for {r.get('case')}: the bytes did not arrive"})
+        return {
+            "schema": 1,
+            "machine": machine,
+            "options": {k: v for k, v in asdict(o).items() if k != "extra"},
+            "backends": listing,
+            "paths": self.paths,
+            "nixl": nixl_status,
+            "ceiling": {"method": ceiling.method, "by_size": {str(k): v for k, v in sorted(ceiling.cache.items())}},
+            "memory_budget": {"bytes": self.budget, "note": self.budget_note},
+            "rows": self.rows,
+            "skipped": [s.to_dict() for s in self.skips],
+            "errors": self.errors,
+            "peak_rss": self.rss,
+            "elapsed_s": time.time() - self.t0,
+            "loadavg_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        }
+
+    def _run_backend(self, b: str, sizes: list[int], kv: list[tuple[KVShape, list[tuple[str, int]]]],
+                     overlap: list[dict[str, Any]], lat_shape: KVShape) -> None:
+        from ..coalesce import coalesce
+
+        o = self.opts
+        system = f"kvtransport/{b}"
+        if sizes:
+            sreps = [sweep_reps(s, o.smoke, o.reps_scale) for s in sizes]
+            est = sum((r + 1) * (s / 3e8 + 0.002) for s, r in zip(sizes, sreps, strict=True))
+            cfg = self._cfg(f"{b}", len(sizes), backend=b, sizes=sizes, reps=sreps)
+            res = self.pair("roles", "sweep", cfg, est, system, "sweep")
+            if res:
+                self.add_rows(res[0]["rows"], system, backend=b)
+                self.paths[b] = res[1]["path"]
+        if kv:
+            groups: list[dict[str, Any]] = []
+            k = 0
+            est = 0.0
+            for gi, (shape, cases) in enumerate(kv):
+                for coal in (True, False):
+                    cs: list[dict[str, Any]] = []
+                    for pattern, reps in cases:
+                        src, dst = block_ids(pattern, shape.request_blocks, shape.pool_blocks, o.seed)
+                        cs.append({"index": k, "pattern": pattern, "reps": reps, "runs": len(coalesce(src, dst))})
+                        est += (reps + 1) * (shape.request_bytes / 3e8 + 0.05)
+                        k += 1
+                    groups.append({"index": 2 * gi + (0 if coal else 1), "shape": shape.to_dict(), "coalesce": coal,
+                                   "cases": cs})
+            cfg = self._cfg(b, k, backend=b, groups=groups)
+            res = self.pair("roles", "kv", cfg, est, system, "kv")
+            if res:
+                self.add_rows(res[0]["rows"], system, backend=b)
+                self.paths.setdefault(b, res[1]["path"])
+        if overlap:
+            groups = [dict(g, index=i) for i, g in enumerate(overlap)]
+            est = sum((g["reps"] + g["serial_reps"] + 1) * (g["shape"]["request_bytes"] / 3e8 + 0.05)
+                      + g["reps"] * g["shape"]["num_layers"] * g["compute_s"] for g in groups)
+            cfg = self._cfg(b, len(groups), backend=b, groups=groups)
+            res = self.pair("roles", "overlap", cfg, est, system, "overlap")
+            if res:
+                for row, g in zip(res[0]["rows"], groups, strict=True):
+                    row["compute_note"] = g["compute_note"]
+                self.add_rows(res[0]["rows"], system, backend=b)
+        if "latency" in o.workloads:
+            cfg = self._cfg(b, 1, backend=b, shape=lat_shape.to_dict(), seqs=o.latency_seqs)
+            res = self.pair("roles", "latency", cfg, o.latency_seqs * 0.05, system, "latency")
+            if res:
+                self.add_rows(res[0]["rows"], system, backend=b)
+
+    def _run_raw(self, raw_sizes: list[int], sizes: list[int], kv: list[tuple[KVShape, list[tuple[str, int]]]]) -> None:
+        o = self.opts
+        kind = "gloo" if o.device == "cpu" else "nccl"
+        system = f"torch.distributed/{kind}"
+        kv_bytes = {s.request_bytes: s for s, _ in kv}
+        reps = [sweep_reps(s, o.smoke, o.reps_scale) if s in sizes else kv_reps(s, o.smoke, o.reps_scale)
+                for s in raw_sizes]
+        est = sum((r + 1) * (s / 3e8 + 0.002) for s, r in zip(raw_sizes, reps, strict=True))
+        cfg = self._cfg(f"raw {kind} send/recv", len(raw_sizes), sizes=raw_sizes, reps=reps)
+        res = self.pair("baselines", "raw", cfg, est, system, "raw")
+        if not res:
+            return
+        for row in res[0]["rows"]:
+            size = row["bytes"]
+            if size in sizes:
+                self.add_rows([dict(row, workload="sweep")], system)
+            if size in kv_bytes:
+                shape = kv_bytes[size]
+                for pattern in o.patterns:  # raw moves the bytes in one piece: the same figure for every pattern
+                    r = dict(row, workload="kv", case={"preset": shape.preset, "tokens": shape.tokens,
+                                                       "ids": pattern, "coalesce": None})
+                    self.add_rows([r], system)
+        self.paths[kind] = f"torch.distributed {kind}, {fmt_bytes(min(max(raw_sizes), 256 * MiB))} messages"
+
+    def _run_nixl(self, sizes: list[int], kv: list[tuple[KVShape, list[tuple[str, int]]]]) -> None:
+        o = self.opts
+        items: list[dict[str, Any]] = []
+        n = 0
+        if sizes:
+            items.append({"kind": "sweep", "index": 0})
+            n += len(sizes)
+        k = 0
+        for shape, cases in kv:
+            cs = []
+            for pattern, reps in cases:
+                cs.append({"index": k, "pattern": pattern, "reps": reps})
+                k += 1
+            items.append({"kind": "kv", "index": len(items), "shape": shape.to_dict(), "cases": cs})
+        n += k
+        est = sum(s * 20 / 3e8 for s in sizes) + sum(s.request_bytes * 6 / 3e8 for s, _ in kv)
+        cfg = self._cfg("nixl", n, sizes=sizes, sweep_reps=[sweep_reps(s, o.smoke, o.reps_scale) for s in sizes],
+                        items=items)
+        res = self.pair("baselines", "nixl", cfg, est, "nixl", "sweep,kv")
+        if res:
+            self.add_rows(res[0]["rows"], "nixl")
+            self.paths["nixl"] = res[1].get("path", "nixl")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the bench (or re-render with --from-json); 0 on success, 1 if any pair failed."""
+    import json
+
+    from .report import render
+
+    opts = parse_args(argv)
+    os.makedirs(opts.out, exist_ok=True)
+    src = opts.extra.get("from_json")
+    if src:
+        with open(src) as f:
+            result = json.load(f)
+    else:
+        result = Bench(opts).run()
+    files = render(result, opts.out, write_json=not src)
+    print("wrote: " + ", ".join(files), flush=True)
+    return 1 if result.get("errors") else 0

@@ -1,0 +1,327 @@
+"""Scheduler-side tests: two real vLLM Schedulers (a prefill and a decode instance) with KVTransportConnector,
+talking over the real side channel on loopback, driven by fake runner outputs (no model runs)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (integration/vllm/ci_setup.sh builds its venv)")
+pytest.importorskip("kvtransport_vllm", reason="kvtransport-vllm is not installed")
+
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from .vllm_helpers import (  # noqa: E402
+    EOS,
+    assert_no_leaks,
+    empty_output,
+    make_config,
+    make_request,
+    make_scheduler,
+    plan_of,
+    runner_output,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(120)]
+BS = 16
+
+
+class Pair:
+    """A prefill scheduler and a decode scheduler; helpers to emulate their workers."""
+
+    def __init__(self, model: str, *, p_extra: dict | None = None, d_extra: dict | None = None,
+                 policy: str = "fail", max_batched: int = 256, d_block_size: int = BS) -> None:
+        self.p = make_scheduler(make_config(model, role="kv_producer", extra=p_extra, max_num_batched_tokens=max_batched))
+        self.d = make_scheduler(make_config(model, role="kv_consumer", extra=d_extra, policy=policy,
+                                            block_size=d_block_size), num_blocks=1000)
+        self.pc = self.p.get_kv_connector()._sched
+        self.dc = self.d.get_kv_connector()._sched
+
+    @property
+    def addr(self) -> dict:
+        return {"remote_host": self.pc.host, "remote_port": self.pc.port, "remote_engine_id": self.pc.engine_id}
+
+    def push_params(self, xfer: str, n: int = 1) -> tuple[dict, dict]:
+        p = {"do_remote_decode": True, "do_remote_prefill": False, "kvt_xfer": xfer, "kvt_fanout": n}
+        d = {"do_remote_prefill": True, "do_remote_decode": False, "kvt_xfer": xfer, **self.addr}
+        return p, d
+
+    def prefill_sees_dsts(self, xfer: str, n: int = 1) -> None:
+        """Drain the prefill side channel (as build_connector_meta does) until ``n`` destinations arrived."""
+        def ok() -> bool:
+            self.pc._drain_inbox(time.monotonic())
+            src = self.pc.sources.get(xfer)
+            got = len(src.dsts) if src is not None else len(self.pc.orphans.get(xfer, (0, [], 0))[1])
+            return got >= n
+        wait_until(ok)
+
+    def close(self) -> None:
+        self.p.shutdown()
+        self.d.shutdown()
+
+
+@pytest.fixture
+def pair(tiny_model: str):
+    made: list[Pair] = []
+
+    def make(**kw) -> Pair:
+        pr = Pair(tiny_model, **kw)
+        made.append(pr)
+        return pr
+
+    yield make
+    for pr in made:
+        pr.close()
+
+
+def _decode_admit(pr: Pair, req, pushes_expected: bool = True) -> None:
+    """Decode: schedule ``req`` into WAITING_FOR_REMOTE_KVS and return its recv plan."""
+    pr.d.add_request(req)
+    so = pr.d.schedule()
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert req.request_id in plan_of(so).recv_start
+    pr.d.update_from_output(so, empty_output())
+
+
+def test_push_layerwise_plan_and_clean_finish(pair) -> None:
+    pr = pair()
+    prompt = list(range(10, 10 + 40))  # 3 blocks, last one partial
+    pparams, dparams = pr.push_params("x1")
+    dreq = make_request(prompt, params=dparams)
+    _decode_admit(pr, dreq)
+    dst_blocks = pr.d.kv_cache_manager.get_block_ids(dreq.request_id)[0]
+    preq = make_request(prompt, params=pparams, max_tokens=1)
+    pr.p.add_request(preq)
+    pr.prefill_sees_dsts("x1")
+    so = pr.p.schedule()
+    plan = plan_of(so)
+    src_blocks = pr.p.kv_cache_manager.get_block_ids(preq.request_id)[0]
+    assert len(plan.layer_pushes) == 1
+    push = plan.layer_pushes[0]
+    assert push.final and push.seq == dreq.request_id and push.req_id == preq.request_id
+    assert list(push.src) == list(src_blocks[:3]) and list(push.dst) == list(dst_blocks[:3])
+    pr.p.update_from_output(so, runner_output([preq]))  # max_tokens=1: finished, blocks held
+    assert preq.request_id in pr.p.requests
+    so = pr.p.schedule()
+    assert plan_of(so).send_release == [preq.request_id]
+    assert not plan_of(so).whole_pushes
+    pr.p.update_from_output(so, empty_output(sending={preq.request_id}))
+    assert_no_leaks(pr.p)
+    # decode: KV landed -> admitted with the last prompt token to compute, then decodes
+    so = pr.d.schedule()
+    pr.d.update_from_output(so, empty_output(recving={dreq.request_id}))
+    so = pr.d.schedule()
+    assert so.num_scheduled_tokens == {dreq.request_id: 1}
+    assert dreq.num_computed_tokens == len(prompt)  # 39 landed + the last one recomputed
+    pr.d.update_from_output(so, runner_output([dreq], token=EOS))
+    so = pr.d.schedule()
+    pr.d.update_from_output(so, empty_output())
+    assert_no_leaks(pr.d)
+
+
+def test_late_destination_gets_whole_push(pair) -> None:
+    pr = pair()
+    prompt = list(range(100, 120))
+    pparams, dparams = pr.push_params("late")
+    preq = make_request(prompt, params=pparams, max_tokens=1)
+    pr.p.add_request(preq)
+    so = pr.p.schedule()
+    assert not plan_of(so).layer_pushes  # destination unknown yet
+    pr.p.update_from_output(so, runner_output([preq]))
+    assert preq.request_id in pr.p.requests  # kept for the destination
+    dreq = make_request(prompt, params=dparams)
+    _decode_admit(pr, dreq)
+    pr.prefill_sees_dsts("late")
+    so = pr.p.schedule()
+    plan = plan_of(so)
+    if not plan.whole_pushes:  # dst processed by the polling step above
+        pass
+    pr.p.update_from_output(so, empty_output())
+    assert not pr.pc.sources  # released after the whole push was planned
+
+
+def test_short_prompt_and_chunked_prefill(pair) -> None:
+    pr = pair(max_batched=32)
+    # shorter than a block
+    pparams, dparams = pr.push_params("short")
+    dreq = make_request([5, 6, 7], params=dparams)
+    _decode_admit(pr, dreq)
+    preq = make_request([5, 6, 7], params=pparams, max_tokens=1)
+    pr.p.add_request(preq)
+    pr.prefill_sees_dsts("short")
+    so = pr.p.schedule()
+    (push,) = plan_of(so).layer_pushes
+    assert len(push.src) == 1 and len(push.dst) == 1 and push.final
+    pr.p.update_from_output(so, runner_output([preq]))
+    # chunked: 70 tokens in 32-token chunks -> three steps, final only on the last
+    pparams, dparams = pr.push_params("chunked")
+    prompt = list(range(200, 270))
+    dreq2 = make_request(prompt, params=dparams)
+    _decode_admit(pr, dreq2)
+    preq2 = make_request(prompt, params=pparams, max_tokens=1)
+    pr.p.add_request(preq2)
+    pr.prefill_sees_dsts("chunked")
+    finals, covered = [], []
+    for step in range(3):
+        so = pr.p.schedule()
+        pushes = [p for p in plan_of(so).layer_pushes if p.seq == dreq2.request_id]
+        assert len(pushes) == 1
+        finals.append(pushes[0].final)
+        covered.extend(pushes[0].dst)
+        reqs = [r for r in (preq2,) if r.request_id in so.num_scheduled_tokens]
+        pr.p.update_from_output(so, runner_output(reqs, token=7 if step == 2 else None))
+    assert finals == [False, False, True]
+    dst = pr.d.kv_cache_manager.get_block_ids(dreq2.request_id)[0]
+    assert sorted(set(covered)) == sorted(dst[:5])  # 70 tokens = 5 blocks; partial blocks re-pushed
+
+
+def _kv_params(engine_outputs) -> dict:
+    for eco in engine_outputs.values():
+        for out in eco.outputs:
+            if out.kv_transfer_params:
+                return out.kv_transfer_params
+    raise AssertionError("no kv_transfer_params in the outputs")
+
+
+def test_pull_mode_nixl_keys(pair) -> None:
+    pr = pair()
+    prompt = list(range(300, 300 + 50))
+    toy = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+           "remote_block_ids": None, "remote_host": None, "remote_port": None}  # what vLLM's toy proxy sends
+    preq = make_request(prompt, params=toy, max_tokens=1)
+    pr.p.add_request(preq)
+    so = pr.p.schedule()
+    assert not plan_of(so).layer_pushes
+    kv = _kv_params(pr.p.update_from_output(so, runner_output([preq])))
+    for key in ("do_remote_prefill", "remote_block_ids", "remote_engine_id", "remote_request_id",
+                "remote_host", "remote_port", "tp_size"):
+        assert key in kv, key
+    assert kv["do_remote_prefill"] is True and kv["remote_port"] == pr.pc.port
+    assert preq.request_id in pr.p.requests  # held until pulled
+    dreq = make_request(prompt, params=kv)
+    _decode_admit(pr, dreq)
+    dst = pr.d.kv_cache_manager.get_block_ids(dreq.request_id)[0]
+    whole = []
+
+    def pulled() -> bool:
+        so = pr.p.schedule()
+        whole.extend(plan_of(so).whole_pushes)
+        released = plan_of(so).send_release
+        pr.p.update_from_output(so, empty_output(sending=set(released)))
+        return preq.request_id not in pr.p.requests
+    wait_until(pulled)
+    (push,) = whole
+    assert list(push.src) == kv["remote_block_ids"][:4] and list(push.dst) == dst[:4]
+    assert_no_leaks(pr.p)
+
+
+def test_decode_partial_prefix_hit_pulls_only_the_tail(pair) -> None:
+    pr = pair()
+    prefix = list(range(700, 732))  # two full blocks
+    d0 = make_request(prefix + [1, 2, 3], params=None, max_tokens=1)
+    pr.d.add_request(d0)  # computed locally: caches the prefix blocks on the decode side
+    so = pr.d.schedule()
+    pr.d.update_from_output(so, runner_output([d0], token=EOS))
+    pparams, dparams = pr.push_params("tail")
+    dreq = make_request(prefix + list(range(900, 920)), params=dparams)
+    _decode_admit(pr, dreq)
+    rec = pr.dc.recvs[dreq.request_id]
+    assert rec.xfer == "tail"
+    preq = make_request(prefix + list(range(900, 920)), params=pparams, max_tokens=1)
+    pr.p.add_request(preq)
+    pr.prefill_sees_dsts("tail")
+    so = pr.p.schedule()
+    (push,) = plan_of(so).layer_pushes
+    src = pr.p.kv_cache_manager.get_block_ids(preq.request_id)[0]
+    dst = pr.d.kv_cache_manager.get_block_ids(dreq.request_id)[0]
+    assert list(push.src) == list(src[2:4]) and list(push.dst) == list(dst[2:4])
+
+
+def test_decode_abort_while_waiting_frees_blocks(pair) -> None:
+    pr = pair()
+    pparams, dparams = pr.push_params("abort")
+    dreq = make_request(list(range(40)), params=dparams)
+    _decode_admit(pr, dreq)
+    pr.d.finish_requests(dreq.request_id, RequestStatus.FINISHED_ABORTED)
+    assert dreq.request_id in pr.d.requests  # blocks held until the worker confirms
+    so = pr.d.schedule()
+    assert dreq.request_id in plan_of(so).recv_abort
+    pr.d.update_from_output(so, empty_output(recving={dreq.request_id}))
+    so = pr.d.schedule()
+    pr.d.update_from_output(so, empty_output())
+    assert_no_leaks(pr.d)
+
+
+def test_prefill_abort_fails_decode(pair) -> None:
+    pr = pair(policy="recompute")
+    pparams, dparams = pr.push_params("pabort")
+    prompt = list(range(500, 540))
+    dreq = make_request(prompt, params=dparams)
+    _decode_admit(pr, dreq)
+    preq = make_request(prompt, params=pparams, max_tokens=1)
+    pr.p.add_request(preq)
+    pr.prefill_sees_dsts("pabort")
+    pr.p.finish_requests(preq.request_id, RequestStatus.FINISHED_ABORTED)
+
+    def failed() -> bool:
+        so = pr.d.schedule()
+        pr.d.update_from_output(so, empty_output())
+        return dreq.request_id in plan_of(so).recv_fail
+    wait_until(failed)
+    so = pr.d.schedule()
+    pr.d.update_from_output(so, empty_output(failed={dreq.request_id}))
+    so = pr.d.schedule()  # recompute policy: prefilled locally
+    assert so.num_scheduled_tokens.get(dreq.request_id) == len(prompt)
+
+
+def test_fanout_two_destinations(pair) -> None:
+    pr = pair()
+    prompt = list(range(600, 640))
+    pparams, dparams = pr.push_params("fan", n=2)
+    d1 = make_request(prompt, params=dparams)
+    d2 = make_request(prompt, params=dparams)
+    pr.d.add_request(d1)
+    pr.d.add_request(d2)
+    so = pr.d.schedule()
+    assert set(plan_of(so).recv_start) == {d1.request_id, d2.request_id}
+    pr.d.update_from_output(so, empty_output())
+    preq = make_request(prompt, params=pparams, max_tokens=1)
+    pr.p.add_request(preq)
+    pr.prefill_sees_dsts("fan", n=2)
+    so = pr.p.schedule()
+    assert {p.seq for p in plan_of(so).layer_pushes} == {d1.request_id, d2.request_id}
+    pr.p.update_from_output(so, runner_output([preq]))
+    so = pr.p.schedule()
+    assert plan_of(so).send_release == [preq.request_id]
+
+
+def test_incompatible_peer_is_refused(pair) -> None:
+    pr = pair(d_block_size=32)
+    pparams, dparams = pr.push_params("incompat")
+    dreq = make_request(list(range(40)), params=dparams, block_size=32)
+    _decode_admit(pr, dreq)
+
+    def failed() -> bool:
+        so = pr.d.schedule()
+        pr.d.update_from_output(so, empty_output())
+        reasons = plan_of(so).recv_fail
+        if dreq.request_id in reasons:
+            assert "block_size" in reasons[dreq.request_id]
+            return True
+        return False
+    wait_until(failed)
+
+
+def test_plugin_registration_is_idempotent() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvtransport_vllm.connector import KVTransportConnector
+    from kvtransport_vllm.plugin import register
+
+    register()
+    assert register() is False
+    assert KVConnectorFactory.get_connector_class_by_name("KVTransportConnector") is KVTransportConnector
+    assert KVTransportConnector.requires_piecewise_for_cudagraph({}) is True
+    assert KVTransportConnector.requires_piecewise_for_cudagraph({"mode": "pull"}) is False

@@ -1,0 +1,107 @@
+"""Small helpers to drive vLLM's real Scheduler with fake runner outputs (vLLM's own test helpers are not in
+the wheel). Imported only when vLLM is importable."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import torch
+from vllm import SamplingParams
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+EOS = 2
+_ids = itertools.count(1)
+_hash_ready = False
+
+
+def make_config(model: str, *, role: str, extra: dict[str, Any] | None = None, block_size: int = 16,
+                max_num_batched_tokens: int = 256, policy: str = "fail") -> VllmConfig:
+    """A VllmConfig using KVTransportConnector (by module path) on the CPU."""
+    mc = ModelConfig(model=model, dtype="float32", seed=0, max_model_len=2048)
+    sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens, max_model_len=2048,
+                         enable_chunked_prefill=True, is_encoder_decoder=False)
+    cc = CacheConfig(block_size=block_size, gpu_memory_utilization=0.1, cache_dtype="auto",
+                     enable_prefix_caching=True)
+    ktc = KVTransferConfig(kv_connector="KVTransportConnector", kv_connector_module_path="kvtransport_vllm.connector",
+                           kv_role=role, kv_connector_extra_config=dict(extra or {}),
+                           kv_load_failure_policy=policy)
+    return VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, kv_transfer_config=ktc,
+                      device_config=DeviceConfig("cpu"))
+
+
+def make_scheduler(cfg: VllmConfig, num_blocks: int = 1000) -> Scheduler:
+    bs = cfg.cache_config.block_size
+    kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype=torch.float32))])
+    cfg.cache_config.num_gpu_blocks = num_blocks
+    return Scheduler(vllm_config=cfg, kv_cache_config=kcc, log_stats=True,
+                     structured_output_manager=StructuredOutputManager(cfg), block_size=bs)
+
+
+def make_request(tokens: list[int], *, params: dict[str, Any] | None = None, max_tokens: int = 4,
+                 block_size: int = 16, rid: str | None = None) -> Request:
+    global _hash_ready
+    if not _hash_ready:
+        init_none_hash(sha256)
+        _hash_ready = True
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    sp.update_from_generation_config({}, EOS)
+    req = Request(request_id=rid or f"req-{next(_ids)}", prompt_token_ids=list(tokens), sampling_params=sp,
+                  pooling_params=None, block_hasher=get_request_block_hasher(block_size, sha256))
+    req.kv_transfer_params = params
+    return req
+
+
+def runner_output(reqs: list[Request], *, token: int | None = 7, sending: set[str] | None = None,
+                  recving: set[str] | None = None, failed: set[str] | None = None,
+                  worker_meta: Any = None) -> ModelRunnerOutput:
+    """One sampled token for each of ``reqs`` (none when ``token`` is None: a partial prefill) plus the
+    connector's report."""
+    kvo = None
+    if sending or recving or failed or worker_meta is not None:
+        kvo = KVConnectorOutput(finished_sending=set(sending or ()), finished_recving=set(recving or ()) | set(failed or ()),
+                                failed_recving=set(failed or ()), kv_connector_worker_meta=worker_meta)
+    ids = [r.request_id for r in reqs]
+    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                             sampled_token_ids=[[token] if token is not None else [] for _ in ids], logprobs=None, prompt_logprobs_dict={},
+                             pooler_output=None, kv_connector_output=kvo)
+
+
+def empty_output(**kw: Any) -> ModelRunnerOutput:
+    return runner_output([], **kw)
+
+
+def plan_of(so: Any) -> Any:
+    return so.kv_connector_metadata.plan
+
+
+def scheduled_reqs(sched: Scheduler, so: Any) -> list[Request]:
+    ids = list(so.num_scheduled_tokens)
+    return [sched.requests[i] for i in ids]
+
+
+def wait_until(pred: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.01)
+
+
+def assert_no_leaks(sched: Scheduler) -> None:
+    """Nothing left in the scheduler and every block back in the pool."""
+    assert not sched.requests, list(sched.requests)
+    assert len(sched.waiting) == 0 and len(sched.running) == 0
+    pool = sched.kv_cache_manager.block_pool
+    assert pool.free_block_queue.num_free_blocks == pool.num_gpu_blocks - 1
+    for b in pool.blocks:
+        assert b.ref_cnt == 0

@@ -1,0 +1,65 @@
+"""``kvtransport bench --smoke``: every workload runs through every usable backend and the outputs are written.
+
+Asserts nothing about speed. Runs the CLI in a subprocess (the bench spawns role processes of its own).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")  # the nccl backend, the raw send/recv baseline and the compute proxy need it
+
+WORKLOADS = ("sweep", "kv", "overlap", "latency")
+
+
+@pytest.mark.timeout(600)
+def test_bench_smoke_writes_json_table_and_plots(tmp_path: Path) -> None:
+    out = os.path.join(str(tmp_path), "bench")
+    proc = subprocess.run([sys.executable, "-m", "kvtransport.cli", "bench", "--smoke", "--device", "cpu", "--out", out],
+                          capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, f"bench failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+
+    with open(os.path.join(out, "results.json")) as f:
+        result = json.load(f)
+    assert not result["errors"], result["errors"]
+    machine = result["machine"]
+    for key in ("cpu_count", "mem_total_bytes", "torch", "date", "kvtransport", "gpus"):
+        assert key in machine, key
+
+    used = [b["name"] for b in result["backends"] if b["used"] == "yes"]
+    assert used, f"no backend ran: {result['backends']}"
+    assert "inproc" not in used
+    rows = result["rows"]
+    for backend in used:
+        system = f"kvtransport/{backend}"
+        for workload in WORKLOADS:
+            mine = [r for r in rows if r["system"] == system and r["workload"] == workload]
+            assert mine, f"{system} produced no {workload} rows"
+        kv = [r for r in rows if r["system"] == system and r["workload"] == "kv"]
+        assert {r["case"]["coalesce"] for r in kv} == {True, False}
+        assert backend in result["paths"]
+    raw = [r for r in rows if r["system"].startswith("torch.distributed/")]
+    assert {r["workload"] for r in raw} == {"sweep", "kv"}
+    for r in rows:
+        if r["workload"] in ("sweep", "kv"):
+            assert r["gbps"] > 0 and r["pct_of_ceiling"] > 0 and r["verified"], r
+    if result["nixl"] == "not installed":
+        assert any(s["what"] == "NIXL baseline" for s in result["skipped"])
+
+    for name in ("table.txt", "table.md"):
+        assert os.path.getsize(os.path.join(out, name)) > 0
+    assert "Summary" in proc.stdout
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "skipped" in str(result.get("plots", "")) or "matplotlib" in proc.stdout
+    else:
+        for png in ("bandwidth_vs_size.png", "exposed_vs_prompt.png", "kv_requests.png"):
+            path = os.path.join(out, png)
+            with open(path, "rb") as f:
+                assert f.read(8) == b"\x89PNG\r\n\x1a\n", path
