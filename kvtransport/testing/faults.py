@@ -35,6 +35,13 @@ def _devices(cfg: dict[str, Any]) -> tuple[str, str]:
     return "cuda:0", ("cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
 
 
+def _kill(p: Any) -> None:
+    """SIGKILL a started victim process (never a process group)."""
+    if p.pid is None or p.pid <= 0:
+        raise AssertionError("victim process has no pid")
+    os.kill(p.pid, signal.SIGKILL)
+
+
 def _src_blocks(seq: int, k: int) -> list[int]:
     return random.Random(seq).sample(range(STORM_SPEC.num_blocks), k)
 
@@ -203,7 +210,7 @@ def kill_senders(cfg: dict[str, Any], rounds: int, per_round: int) -> dict[str, 
                 cm.expect(seq, sender=sender)
             if not final:
                 time.sleep(rng.random() * 0.05 * per_round)
-                os.kill(p.pid or 0, signal.SIGKILL)
+                _kill(p)
             for seq, src, dst in plan:
                 out["transfers"] += 1
                 t0 = time.monotonic()
@@ -253,7 +260,7 @@ def kill_receivers(cfg: dict[str, Any], rounds: int, per_round: int) -> dict[str
             kill_at = rng.randrange(per_round)
             for j in range(per_round):
                 if j == kill_at:
-                    os.kill(p.pid or 0, signal.SIGKILL)
+                    _kill(p)
                 out["transfers"] += 1
                 t0 = time.monotonic()
                 try:
