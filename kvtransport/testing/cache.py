@@ -48,6 +48,7 @@ PRESETS = {
     "llama-3.1-70b-tp8": (80, 1, 128, 2),
     "qwen3-8b": (36, 8, 128, 2),
     "deepseek-v3-mla": (61, 1, 288, 2),  # latent 576 = 2 x 288 packed in the last dim
+    "one-layer": (1, 8, 128, 2),  # Llama-8B-sized pieces in a single layer: one contiguous put of any size
 }
 
 
