@@ -14,6 +14,7 @@ falls back to UCX puts and says so in the path it reports.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import threading
 import time
@@ -165,45 +166,53 @@ class SegmentCopier:
             self.kernel = cupy.RawKernel(_KERNEL, "kvt_segment_copy")
             self.kernel.compile()
         self.last_event: Any = None
-        self.inflight: list[Any] = []  # segment tables in use by launched kernels
+        self.inflight: collections.deque[tuple[Any, Any]] = collections.deque()  # tables used by launched kernels
+        self._streams: dict[int, Any] = {}
+
+    def _stream(self) -> Any:
+        """CuPy's handle on torch's current stream (cached: creating one costs microseconds per put)."""
+        import torch
+
+        ptr = torch.cuda.current_stream(self.device_index).cuda_stream
+        stream = self._streams.get(ptr)
+        if stream is None:
+            with self.cupy.cuda.Device(self.device_index):
+                stream = self._streams[ptr] = self.cupy.cuda.ExternalStream(ptr)
+        return stream
 
     def upload(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> tuple[Any, int]:
         """Copy a segment table (offsets or addresses) to the device, on the caller's current stream."""
-        import torch
-
         src, dst, lens = _split(src, dst, lens)
         table = np.stack([src, dst, lens], axis=1).astype(np.uint64).ravel()
-        with self.cupy.cuda.Device(self.device_index):
-            stream = self.cupy.cuda.ExternalStream(torch.cuda.current_stream(self.device_index).cuda_stream)
-            with stream:
-                return self.cupy.asarray(table), len(lens)
+        with self.cupy.cuda.Device(self.device_index), self._stream():
+            return self.cupy.asarray(table), len(lens)
 
     def launch(self, table: Any, n: int, src_base: int = 0, dst_base: int = 0) -> None:
         """One kernel: segment i copies ``len`` bytes from ``src_base + src_i`` to ``dst_base + dst_i``.
 
         Runs on torch's current stream (after the kernels that produced the KV). Non-blocking."""
-        import torch
-
         cupy = self.cupy
-        with cupy.cuda.Device(self.device_index):
-            stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(self.device_index).cuda_stream)
-            with stream:
-                self.kernel((n,), (512,), (table, np.int32(n), np.uint64(src_base), np.uint64(dst_base)))
-                event = cupy.cuda.Event(disable_timing=True)
-                event.record(stream)
-        self.inflight = [(e, t) for e, t in self.inflight if not e.done] + [(event, table)]
+        stream = self._stream()
+        with cupy.cuda.Device(self.device_index), stream:
+            self.kernel((n,), (512,), (table, np.int32(n), np.uint64(src_base), np.uint64(dst_base)))
+            event = cupy.cuda.Event(disable_timing=True)
+            event.record(stream)
+        while self.inflight and self.inflight[0][0].done:
+            self.inflight.popleft()
+        self.inflight.append((event, table))
         self.last_event = event
 
     def flush(self, timeout: float) -> None:
         event = self.last_event
         if event is None:
             return
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         while not event.done:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise TransferTimeout(f"CUDA IPC copy did not finish within {timeout:.3g}s")
-            time.sleep(20e-6)
-        self.inflight = [(e, t) for e, t in self.inflight if not e.done]
+            time.sleep(0 if now - start < 0.002 else 50e-6)  # yield the GIL; sleep once it takes longer
 
 
 def _split(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
