@@ -657,6 +657,10 @@ class _Outbound:
             except KVTransportError as exc:
                 self._fail_link(exc)
                 raise
+            except Exception as exc:  # a backend that leaked its library's error: still a typed error
+                err = TransferError(f"{self.cm.backend} put failed: {type(exc).__name__}: {exc}")
+                self._fail_link(err)
+                raise err from exc
 
     def mark_failed(self, seq: SeqId, exc: KVTransportError) -> None:
         with self._lock:
@@ -722,6 +726,8 @@ class _Outbound:
                     self.conn.send_many(items)
             except KVTransportError as exc:
                 self._fail_link(exc)
+            except Exception as exc:  # never let the signaller die silently
+                self._fail_link(TransferError(f"{self.cm.backend} flush failed: {type(exc).__name__}: {exc}"))
             finally:
                 with self._lock:
                     self._pending -= len(items)
@@ -747,6 +753,9 @@ class _Outbound:
         except KVTransportError as exc:
             if not self._closed:
                 self._fail_link(exc if isinstance(exc, PeerDisconnected) else PeerDisconnected(str(exc)))
+        except Exception as exc:  # a backend error while fencing an abort
+            if not self._closed:
+                self._fail_link(TransferError(f"link to peer failed: {type(exc).__name__}: {exc}"))
 
     def _fail_link(self, exc: KVTransportError) -> None:
         with self._lock:

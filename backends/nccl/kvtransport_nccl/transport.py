@@ -223,7 +223,7 @@ class _TorchOutLink(OutboundLink):
                 chunk = views.planes[0][r.src : r.src + r.count]
                 if not chunk.is_contiguous():
                     chunk = chunk.contiguous()
-                self.pending.append((self.pg.send([chunk.view(-1)], 1, 0), chunk))
+                self.pending.append((self._send(chunk), chunk))
             return
         buf = views.direct(runs, use_src=True)
         if buf is None:
@@ -235,7 +235,7 @@ class _TorchOutLink(OutboundLink):
                 size = n * p.shape[1]
                 torch.index_select(p, 0, ids, out=buf[off : off + size].view(n, p.shape[1]))
                 off += size
-        self.pending.append((self.pg.send([buf.view(-1)], 1, 0), buf))
+        self.pending.append((self._send(buf), buf))
 
     def _staging(self, nbytes: int) -> torch.Tensor:
         """A staging buffer not used by any send in flight (recycled: no allocation per put)."""
@@ -244,6 +244,12 @@ class _TorchOutLink(OutboundLink):
                 del self.free[i]
                 return buf[:nbytes]
         return torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, device=self.tr.device)[:nbytes]
+
+    def _send(self, buf: torch.Tensor) -> Any:
+        try:
+            return self.pg.send([buf.view(-1)], 1, 0)
+        except Exception as exc:  # gloo/NCCL raise RuntimeError when the peer is gone
+            raise PeerDisconnected(f"{self.tr.pg_kind} send failed (peer gone?): {str(exc)[:300]}") from None
 
     def _reap(self) -> None:
         while self.pending and self.pending[0][0].is_completed():
@@ -279,7 +285,11 @@ class _TorchInLink(InboundLink):
         if self.tr.device.type == "cuda" and not self._set_device:
             torch.cuda.set_device(self.tr.device)
             self._set_device = True
-        _wait(self.pg.recv([buf.view(-1)], 0, 0), timeout, "receive from peer")
+        try:
+            work = self.pg.recv([buf.view(-1)], 0, 0)
+        except Exception as exc:
+            raise PeerDisconnected(f"{self.tr.pg_kind} receive failed (peer gone?): {str(exc)[:300]}") from None
+        _wait(work, timeout, "receive from peer")
 
     def receive(self, layer: int, runs: Sequence[BlockRun], timeout: float) -> None:
         views = self.tr.views[layer]
