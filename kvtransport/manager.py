@@ -630,6 +630,7 @@ class _Outbound:
         self._put_lock = threading.Lock()
         self._failed: dict[SeqId, KVTransportError] = {}
         self._error: KVTransportError | None = None
+        self._delivery_error: KVTransportError | None = None  # a queued signal could not be delivered
         self._closed = False
         self._queue: queue.Queue[tuple[FrameType, bytes] | None] = queue.Queue()
         self._pending = 0
@@ -701,7 +702,14 @@ class _Outbound:
                 if left <= 0:
                     raise TransferTimeout(f"{self._pending} signals to {self.conn.peer_label} not delivered in {timeout:.3g}s")
                 self._idle.wait(left)
-        self._check(None)
+            # everything queued was delivered unless a delivery failed: a peer that left *after*
+            # receiving it all does not make this flush fail
+            if self._delivery_error is not None:
+                raise self._delivery_error
+            if self._closed:
+                raise CommClosed("link to peer closed")
+            if self._pending:
+                raise self._error or PeerDisconnected("link to peer lost")
         if not self.one_sided:
             self.link.flush(max(0.001, deadline - time.monotonic()))
 
@@ -724,10 +732,14 @@ class _Outbound:
                 if items and self._error is None:
                     self.link.flush(self.cm.settings.timeout)
                     self.conn.send_many(items)
+                elif items:
+                    self._delivery_error = self._error
             except KVTransportError as exc:
+                self._delivery_error = exc
                 self._fail_link(exc)
             except Exception as exc:  # never let the signaller die silently
-                self._fail_link(TransferError(f"{self.cm.backend} flush failed: {type(exc).__name__}: {exc}"))
+                self._delivery_error = TransferError(f"{self.cm.backend} flush failed: {type(exc).__name__}: {exc}")
+                self._fail_link(self._delivery_error)
             finally:
                 with self._lock:
                     self._pending -= len(items)
