@@ -3,18 +3,10 @@
 import pytest
 
 from kvtransport import registry
+from kvtransport.testing import gpu_count
 from kvtransport.testing.conformance import ConformanceSuite
 
 pytestmark = pytest.mark.skipif(not registry.probe("nccl").ok, reason=f"nccl backend unavailable: {registry.probe('nccl').reason}")
-
-
-def _gpus() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count()
-    except Exception:
-        return 0
 
 
 class TestNcclOnHostMemory(ConformanceSuite):
@@ -23,7 +15,7 @@ class TestNcclOnHostMemory(ConformanceSuite):
 
 
 @pytest.mark.gpu2
-@pytest.mark.skipif(_gpus() < 2, reason="needs 2 CUDA GPUs (NCCL refuses two ranks on one GPU); run on the 2xH200 host")
+@pytest.mark.skipif(gpu_count() < 2, reason="needs 2 CUDA GPUs (NCCL refuses two ranks on one GPU); run on the 2xH200 host")
 class TestNcclOnCudaMemory(ConformanceSuite):
     backend = "nccl"
     device = "cuda"

@@ -3,18 +3,10 @@
 import pytest
 
 from kvtransport import registry
+from kvtransport.testing import gpu_count
 from kvtransport.testing.conformance import ConformanceSuite
 
 pytestmark = pytest.mark.skipif(not registry.probe("ucx").ok, reason=f"ucx backend unavailable: {registry.probe('ucx').reason}")
-
-
-def _gpus() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count()
-    except Exception:
-        return 0
 
 
 class TestUcxOnHostMemory(ConformanceSuite):
@@ -23,7 +15,7 @@ class TestUcxOnHostMemory(ConformanceSuite):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU (two processes share it, or use two with peer access)")
+@pytest.mark.skipif(gpu_count() < 1, reason="needs a CUDA GPU (two processes share it, or use two with peer access)")
 class TestUcxOnCudaMemory(ConformanceSuite):
     backend = "ucx"
     device = "cuda"
