@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Sets everything up, then runs lint, type checks and the whole test suite (GPU tests skip with the reason).
+# Sets everything up, then runs lint, type checks and the whole test suite: the core, every backend's
+# conformance suite, the benchmarks' smoke run, and the vLLM integration (a CPU build of vLLM in its own
+# venv, .vllm-venv; SKIP_VLLM=1 leaves that stage out). GPU tests skip here with the reason.
 set -euo pipefail
 cd "$(dirname "$0")"
 bash scripts/setup.sh
@@ -7,3 +9,8 @@ bash scripts/setup.sh
 ruff check kvtransport backends tests benchmarks integration
 mypy
 HYPOTHESIS_PROFILE=ci python -m pytest -q "$@"
+if [ "${SKIP_VLLM:-0}" != 1 ]; then
+  export VLLM_VENV=${VLLM_VENV:-$PWD/.vllm-venv}
+  bash integration/vllm/ci_setup.sh
+  HYPOTHESIS_PROFILE=ci "$VLLM_VENV/bin/python" -m pytest -q -p no:cacheprovider tests/integration
+fi

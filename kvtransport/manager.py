@@ -70,7 +70,10 @@ class Stats:
 
 @dataclass(eq=False)
 class Peer:
-    """A link to one receiving peer, returned by :meth:`CommManager.connect`."""
+    """A link to one receiving peer, returned by :meth:`CommManager.connect`.
+
+    ``put_layer``, ``signal*``, ``cancel`` and ``flush`` on one peer may be called from several threads;
+    puts are issued in the order the calls take the link's lock."""
 
     instance: str
     host: str
@@ -711,7 +714,8 @@ class _Outbound:
             if self._pending:
                 raise self._error or PeerDisconnected("link to peer lost")
         if not self.one_sided:
-            self.link.flush(max(0.001, deadline - time.monotonic()))
+            with self._put_lock:  # the link's own bookkeeping is not shared between threads
+                self.link.flush(max(0.001, deadline - time.monotonic()))
 
     def forget(self, seq: SeqId) -> None:
         with self._lock:

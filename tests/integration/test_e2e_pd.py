@@ -54,7 +54,7 @@ class Proc:
         self.name, self.port, self.health = name, port, health
         self.url = f"http://127.0.0.1:{port}"
         self.log = log_dir / f"{name}.log"
-        self._fh = open(self.log, "wb")  # noqa: SIM115
+        self._fh = open(self.log, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def ready(self) -> bool:
@@ -110,8 +110,10 @@ def vllm_cmd(model: str, port: int, kv: dict[str, Any] | None, extra: list[str] 
 def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
     log_dir = Path(os.environ.get("KVT_E2E_LOG_DIR") or tmp_path_factory.mktemp("e2e-logs"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    # OMP_NUM_THREADS=1 + nobind: by default every instance binds its OpenMP threads to the same cores and
+    # spin-waits; four instances on 2 cores then starve each other (side channels stall, gloo times out)
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", KV_TRANSPORT="nccl",
-               TOKENIZERS_PARALLELISM="false")
+               TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     env.pop("NET_IFNAME", None)  # loopback
     ports = {k: free_port() for k in ("R", "P1", "P2", "D")}
     conn = {"kv_connector": "KVTransportConnector"}
@@ -124,8 +126,9 @@ def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
         "P2": Proc("prefill-pull", vllm_cmd(tiny_model, ports["P2"], {
             **conn, "kv_connector_module_path": "kvtransport_vllm.connector", "kv_role": "kv_producer",
             "kv_connector_extra_config": {"mode": "pull"}}), env, ports["P2"], log_dir),
-        "D": Proc("decode", vllm_cmd(tiny_model, ports["D"], {**conn, "kv_role": "kv_consumer"}), env, ports["D"],
-                  log_dir),
+        "D": Proc("decode", vllm_cmd(tiny_model, ports["D"], {
+            **conn, "kv_role": "kv_consumer", "kv_connector_extra_config": {"connect_timeout": 10}}), env, ports["D"],
+            log_dir),
     }
     try:
         took = wait_all(list(procs.values()), START_TIMEOUT)
@@ -267,6 +270,14 @@ def check_disaggregated(cluster: dict[str, Any], proxy_url: str, seed: int, pref
     assert summary["decode_external"] > 0 and summary["bytes_received"] > 0, summary
     assert summary["recv_failures"] == 0, summary
     assert summary["received"] >= len(got), summary
+    # no leaked blocks on either side: every block is back in the pool once the transfers are done
+    deadline = time.monotonic() + 30
+    while True:
+        usage = {name: metrics(inst.url).get("vllm:kv_cache_usage_perc", 0.0) for name, inst in (("P", P), ("D", D))}
+        if not any(usage.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not any(usage.values()), f"KV blocks still held after the batch: {usage}"
     return summary
 
 
@@ -311,3 +322,22 @@ def test_push_mode_round_robin_two_prefills(cluster: dict[str, Any]) -> None:
             assert delta(after, before, "vllm:prompt_tokens_total") > 0, f"{name} got no request"
     finally:
         proxy.stop()
+
+
+def test_unreachable_prefill_takes_the_failure_path(cluster: dict[str, Any]) -> None:
+    """A decode request whose prefill side cannot be reached fails (kv_load_failure_policy=fail) instead of
+    hanging, and leaves no block behind."""
+    D = cluster["procs"]["D"]
+    body = {"model": "tiny", "prompt": "w5 w6 w7 w8", "max_tokens": 4, "temperature": 0,
+            "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False, "kvt_xfer": "nobody",
+                                   "remote_host": "127.0.0.1", "remote_port": free_port(),
+                                   "remote_engine_id": "none"}}
+    t0 = time.monotonic()
+    r = httpx.post(D.url + "/v1/completions", json=body, timeout=120)
+    took = time.monotonic() - t0
+    print(f"\n[e2e] unreachable prefill: HTTP {r.status_code} after {took:.1f}s")
+    assert r.status_code >= 400 and took < 60
+    deadline = time.monotonic() + 30
+    while metrics(D.url).get("vllm:kv_cache_usage_perc", 0.0) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not metrics(D.url).get("vllm:kv_cache_usage_perc", 0.0)

@@ -10,9 +10,9 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (integration/vllm/ci_setup.sh builds its venv)")
 pytest.importorskip("kvtransport_vllm", reason="kvtransport-vllm is not installed")
 
-from vllm.v1.request import RequestStatus  # noqa: E402
+from vllm.v1.request import RequestStatus
 
-from .vllm_helpers import (  # noqa: E402
+from .vllm_helpers import (
     EOS,
     assert_no_leaks,
     empty_output,
@@ -220,7 +220,7 @@ def test_pull_mode_nixl_keys(pair) -> None:
 def test_decode_partial_prefix_hit_pulls_only_the_tail(pair) -> None:
     pr = pair()
     prefix = list(range(700, 732))  # two full blocks
-    d0 = make_request(prefix + [1, 2, 3], params=None, max_tokens=1)
+    d0 = make_request([*prefix, 1, 2, 3], params=None, max_tokens=1)
     pr.d.add_request(d0)  # computed locally: caches the prefix blocks on the decode side
     so = pr.d.schedule()
     pr.d.update_from_output(so, runner_output([d0], token=EOS))
@@ -241,7 +241,7 @@ def test_decode_partial_prefix_hit_pulls_only_the_tail(pair) -> None:
 
 def test_decode_abort_while_waiting_frees_blocks(pair) -> None:
     pr = pair()
-    pparams, dparams = pr.push_params("abort")
+    _, dparams = pr.push_params("abort")
     dreq = make_request(list(range(40)), params=dparams)
     _decode_admit(pr, dreq)
     pr.d.finish_requests(dreq.request_id, RequestStatus.FINISHED_ABORTED)
@@ -299,7 +299,7 @@ def test_fanout_two_destinations(pair) -> None:
 
 def test_incompatible_peer_is_refused(pair) -> None:
     pr = pair(d_block_size=32)
-    pparams, dparams = pr.push_params("incompat")
+    _, dparams = pr.push_params("incompat")
     dreq = make_request(list(range(40)), params=dparams, block_size=32)
     _decode_admit(pr, dreq)
 
@@ -315,13 +315,34 @@ def test_incompatible_peer_is_refused(pair) -> None:
 
 
 def test_plugin_registration_is_idempotent() -> None:
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
     from kvtransport_vllm.connector import KVTransportConnector
     from kvtransport_vllm.plugin import register
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     register()
     assert register() is False
     assert KVConnectorFactory.get_connector_class_by_name("KVTransportConnector") is KVTransportConnector
     assert KVTransportConnector.requires_piecewise_for_cudagraph({}) is True
     assert KVTransportConnector.requires_piecewise_for_cudagraph({"mode": "pull"}) is False
+
+
+def test_pull_with_n2_on_prefill_frees_the_unpulled_sibling(pair) -> None:
+    """vLLM's toy proxy forwards n=2 to the prefill: two children compute, only one child's params reach
+    the decode; the sibling must be freed once the other was pulled (not held for source_ttl)."""
+    pr = pair()
+    prompt = list(range(800, 840))
+    toy = {"do_remote_decode": True, "do_remote_prefill": False}
+    kids = [make_request(prompt, params=dict(toy), max_tokens=1, rid=f"{i}_cmpl-parent") for i in range(2)]
+    for k in kids:
+        pr.p.add_request(k)
+    so = pr.p.schedule()
+    kv = _kv_params(pr.p.update_from_output(so, runner_output(kids)))
+    dreq = make_request(prompt, params=kv)
+    _decode_admit(pr, dreq)
+
+    def all_freed() -> bool:
+        so = pr.p.schedule()
+        pr.p.update_from_output(so, empty_output(sending=set(plan_of(so).send_release)))
+        return not pr.p.requests
+    wait_until(all_freed)
+    assert_no_leaks(pr.p)

@@ -1,0 +1,235 @@
+"""``KVTransportConnector``: vLLM's KVConnectorBase_V1 over kvtransport. Dispatches to one role object.
+
+Select it with ``--kv-transfer-config '{"kv_connector":"KVTransportConnector","kv_role":"kv_producer"}'``
+(registered by the ``vllm.general_plugins`` entry point) or, without the plugin, add
+``"kv_connector_module_path":"kvtransport_vllm.connector"``. Prefill instances are ``kv_producer``, decode
+instances ``kv_consumer``. Backend from ``KV_TRANSPORT``, interface from ``NET_IFNAME``, both overridable in
+``kv_connector_extra_config`` (see :mod:`kvtransport_vllm.config`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+)
+from vllm.logger import init_logger
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from . import __version__
+from .config import requires_layerwise, resolve_settings
+from .metadata import SendFailure, StepPlan
+from .scheduler import SchedulerSide
+from .stats import KVTransportPromMetrics, KVTransportStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+
+class KVTransportMetadata(KVConnectorMetadata):
+    """Scheduler -> worker data of one step (wraps :class:`StepPlan`)."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+@dataclass
+class KVTransportHandshake(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler data after KV cache registration: kvtransport metadata and compatibility fields."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class KVTransportWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler data of one step: pushes that failed (the decode side must hear of them)."""
+
+    failures: list[SendFailure] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, KVTransportWorkerMeta):
+            self.failures.extend(other.failures)
+        return self
+
+
+def _compat_fields(vllm_config: VllmConfig, model_id: str | None) -> dict[str, Any]:
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    info: dict[str, Any] = {"connector": __version__, "block_size": cc.block_size,
+                            "cache_dtype": str(cc.cache_dtype), "tp_size": pc.tensor_parallel_size}
+    if mc is not None:
+        info.update(
+            model=model_id or str(mc.model).rstrip("/").split("/")[-1],
+            architectures=list(getattr(mc.hf_config, "architectures", None) or []),
+            dtype=str(mc.dtype).removeprefix("torch."),
+            num_layers=mc.get_num_layers(pc),
+            num_kv_heads=mc.get_total_num_kv_heads(),
+            head_size=mc.get_head_size(),
+        )
+    return info
+
+
+class KVTransportConnector(KVConnectorBase_V1):
+    """See the module docstring. vLLM constructs one per role and process."""
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        self.settings = resolve_settings(ktc.kv_connector_extra_config)
+        self.engine_id = str(ktc.engine_id)
+        self._sched: SchedulerSide | None = None
+        self._worker: Any = None
+        if role == KVConnectorRole.SCHEDULER:
+            if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+                raise ValueError("KVTransportConnector supports models with one KV cache group only")
+            self._sched = SchedulerSide(
+                settings=self.settings, engine_id=self.engine_id, block_size=vllm_config.cache_config.block_size,
+                producer=ktc.is_kv_producer, consumer=ktc.is_kv_consumer,
+                compat_info=_compat_fields(vllm_config, self.settings.model_id),
+                tp_size=vllm_config.parallel_config.tensor_parallel_size,
+            )
+        else:
+            from .worker import WorkerSide
+
+            try:
+                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+                rank = get_tensor_model_parallel_rank()
+            except Exception:  # parallel state not initialised (unit tests)
+                rank = 0
+            self._worker = WorkerSide(settings=self.settings, engine_id=self.engine_id, tp_rank=rank)
+
+    # ------------------------------------------------------------------ class-level
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True in push mode: puts are issued from ``save_kv_layer``, which a full CUDA graph would skip."""
+        return requires_layerwise(extra_config)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """None: any stride permutation works (KVLayout reads strides); both sides must just agree."""
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVTransportStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
+                           ) -> KVConnectorPromMetrics | None:
+        return KVTransportPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        if self._worker is None or self._worker.cm is None:
+            return None
+        return KVTransportHandshake(self._worker.handshake())
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVTransportMetadata):
+            self._worker.bind(connector_metadata.plan)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Nothing to start: receives are driven by the prefill side; pushes were queued at bind time."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Never blocks: a decode request is only scheduled once all its layers landed."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        self._worker.save_kv_layer(layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        r = self._worker.transfer_results()
+        return KVConnectorTransferResults(finished_sending=r.finished_sending, finished_recving=r.finished_recving,
+                                          failed_recving=r.failed_recving)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        fails = self._worker.take_send_failures() if self._worker is not None else []
+        return KVTransportWorkerMeta(fails) if fails else None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is None:
+            return None
+        stats = KVTransportStats(data=self._worker.stats_delta())
+        return None if stats.is_empty() else stats
+
+    # ------------------------------------------------------------------ scheduler side
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        if self._sched is not None:
+            self._sched.set_worker_metadata({int(r): m.data for r, m in metadata.items()
+                                             if isinstance(m, KVTransportHandshake)})
+
+    def on_new_request(self, request: Request) -> None:
+        if self._sched is not None:
+            self._sched.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._sched is not None
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._sched is not None
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._sched is not None
+        return KVTransportMetadata(self._sched.build_plan(scheduler_output))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._sched is None:
+            return
+        meta = connector_output.kv_connector_worker_meta
+        fails = meta.failures if isinstance(meta, KVTransportWorkerMeta) else []
+        self._sched.update_connector_output(fails, connector_output.finished_recving)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        return self._sched.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched is not None and self._sched.has_pending_push_work()
+
+    def shutdown(self) -> None:
+        if self._sched is not None:
+            self._sched.shutdown()
+        if self._worker is not None:
+            self._worker.shutdown()

@@ -1,0 +1,58 @@
+"""Data the scheduler side hands to the worker side each step (and back). Plain, picklable dataclasses.
+
+The connector wraps :class:`StepPlan` in vLLM's ``KVConnectorMetadata`` (see ``connector.py``); this module
+imports nothing from vLLM so the scheduler logic can be unit-tested on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Push:
+    """Copy ``src`` blocks of prefill request ``req_id`` into ``dst`` blocks of decode sequence ``seq``.
+
+    ``engine`` names the decode engine (its workers' metadata came in ``StepPlan.peers``). A layer-wise push
+    (``StepPlan.layer_pushes``) is issued from ``save_kv_layer`` for each layer; ``final`` means this step
+    completes the prompt, so each layer is signalled and the sequence is signalled after the last one. A
+    whole push (``StepPlan.whole_pushes``) puts and signals every layer at once, right after the forward.
+    """
+
+    req_id: str
+    seq: str
+    engine: str
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+    final: bool = True
+
+
+@dataclass
+class StepPlan:
+    """Everything the worker side needs for one engine step."""
+
+    peers: dict[str, dict[int, bytes]] = field(default_factory=dict)
+    """decode engine id -> tp rank -> kvtransport metadata (only engines the workers have not seen yet)."""
+    layer_pushes: list[Push] = field(default_factory=list)
+    whole_pushes: list[Push] = field(default_factory=list)
+    send_release: list[str] = field(default_factory=list)
+    """Prefill requests that get no further pushes: report them finished_sending once flushed."""
+    recv_start: dict[str, float] = field(default_factory=dict)
+    """Decode requests now waiting for KV -> seconds they may wait."""
+    recv_abort: list[str] = field(default_factory=list)
+    """Decode requests aborted while waiting: stop accepting their data, report finished_recving."""
+    recv_fail: dict[str, str] = field(default_factory=dict)
+    """Decode requests the prefill side cannot serve -> reason (reported as failed receives)."""
+
+    def is_empty(self) -> bool:
+        return not (self.peers or self.layer_pushes or self.whole_pushes or self.send_release
+                    or self.recv_start or self.recv_abort or self.recv_fail)
+
+
+@dataclass
+class SendFailure:
+    """A push the prefill worker could not complete; the scheduler tells the decode engine."""
+
+    seq: str
+    engine: str
+    reason: str

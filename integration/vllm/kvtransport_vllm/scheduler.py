@@ -1,0 +1,547 @@
+"""Scheduler side of the connector (runs in vLLM's engine-core process, one per engine).
+
+Prefill role (``kv_producer``/``kv_both``): runs the side-channel server, learns destination blocks from decode
+schedulers, and plans per step which blocks the workers put (layer-wise while the prompt is computed, or
+whole right after the forward) and when a finished request's blocks may be freed.
+
+Decode role (``kv_consumer``/``kv_both``): claims prompt tokens for requests carrying ``do_remote_prefill``,
+parks them in WAITING_FOR_REMOTE_KVS, sends their freshly allocated block ids to the prefill scheduler, and
+tells its workers which sequences to wait for (and for how long).
+
+Every method is called on the scheduler thread and never blocks on the network: side-channel traffic goes
+through :mod:`.sidechannel`'s threads and an inbox drained in :meth:`build_plan`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import re
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import ConnectorSettings
+from .metadata import Push, SendFailure, StepPlan
+from .protocol import PROTOCOL_VERSION, b64, compat_hash, unb64
+from .sidechannel import PeerClient, SideChannelServer
+
+log = logging.getLogger("vllm.kvtransport")
+
+FINISHED_OK = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+_CHILD = re.compile(r"^\d+_")
+
+
+def sampling_family(req_id: str) -> str | None:
+    """The parent id of a parallel-sampling child (vLLM names children ``"{index}_{parent}"``), else None."""
+    return _CHILD.sub("", req_id, count=1) if _CHILD.match(req_id) else None
+
+
+@dataclass
+class _Dst:
+    engine: str
+    seq: str
+    blocks: list[int]
+    offset: int
+    pushed_upto: int = 0  # absolute prompt-block index below which layer-wise pushes are issued (full blocks)
+    final_sent: bool = False
+    cancelled: bool = False
+
+    def __post_init__(self) -> None:
+        self.pushed_upto = self.offset
+
+
+@dataclass
+class _Source:
+    """A prefill request whose KV goes to one or more decode requests."""
+
+    req_id: str
+    xfer: str
+    mode: str  # "push" (our proxy, decode allocates first) or "pull" (NIXL-style params, decode asks after)
+    fanout: int  # push: destinations expected (n of the decode request)
+    prompt_len: int
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0
+    dsts: list[_Dst] = field(default_factory=list)
+    msgs: int = 0
+    cancels: int = 0
+    complete: bool = False
+    failed: str | None = None
+    finished: bool = False  # request_finished was called
+    delay_freed: bool = False  # we told vLLM to keep the blocks: a release must follow
+    puts_issued: bool = False
+    deadline: float = 0.0
+    registered: float = field(default_factory=time.monotonic)
+
+    def served(self) -> bool:
+        """No further destinations are expected."""
+        if self.mode == "pull":
+            return self.msgs + self.cancels >= 1 and all(d.final_sent or d.cancelled for d in self.dsts)
+        done = sum(1 for d in self.dsts if d.final_sent or d.cancelled) + self.cancels
+        return done >= self.fanout and all(d.final_sent or d.cancelled for d in self.dsts)
+
+
+@dataclass
+class _Recv:
+    req_id: str
+    xfer: str
+    addr: tuple[str, int]
+    started: float
+
+
+def transfer_params_kind(params: dict[str, Any] | None) -> str | None:
+    """``"prefill"`` for a request whose KV goes to a remote decode, ``"decode"`` for one whose KV comes from a
+    remote prefill, else None."""
+    if not params:
+        return None
+    if params.get("do_remote_decode"):
+        return "prefill"
+    if params.get("do_remote_prefill"):
+        return "decode"
+    return None
+
+
+class SchedulerSide:
+    """See the module docstring. Constructed by the connector for ``KVConnectorRole.SCHEDULER``."""
+
+    def __init__(self, *, settings: ConnectorSettings, engine_id: str, block_size: int, producer: bool,
+                 consumer: bool, compat_info: dict[str, Any], tp_size: int = 1) -> None:
+        self.settings = settings
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.producer = producer
+        self.consumer = consumer
+        self.tp_size = tp_size
+        self._base_compat = dict(compat_info)
+        self.worker_meta: dict[int, dict[str, Any]] = {}
+        self.inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self.host = settings.address
+        self.server: SideChannelServer | None = None
+        if producer:
+            self.server = SideChannelServer(self.host, settings.side_channel_port, engine_id, self.compat,
+                                            self.inbox, settings.connect_timeout)
+            self.port = self.server.port
+            log.info("kvtransport connector: side channel of engine %s on %s:%d", engine_id, self.host, self.port)
+        else:
+            self.port = 0
+        # producer state
+        self.sources: dict[str, _Source] = {}
+        self.src_by_req: dict[str, _Source] = {}
+        self.orphans: dict[str, tuple[float, list[_Dst], int]] = {}  # xfer -> (deadline, dsts, cancels)
+        self.gone: dict[str, str] = {}  # xfer -> why it can no longer be served (bounded)
+        # pull flow with n>1 on the prefill (vLLM's toy proxy forwards n): only one child's params reach the
+        # decode, so once one child was pulled its siblings are freed instead of waiting for source_ttl
+        self.families_served: dict[str, None] = {}
+        self.peer_workers: dict[str, dict[int, bytes]] = {}
+        self._new_peers: set[str] = set()
+        self._releases: list[str] = []
+        self._whole: list[Push] = []
+        # consumer state
+        self.clients: dict[tuple[str, int], PeerClient] = {}
+        self.recvs: dict[str, _Recv] = {}
+        self.consumed: set[str] = set()
+        self._outgoing: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+        self._recv_start: dict[str, float] = {}
+        self._recv_abort: list[str] = []
+        self._recv_fail: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ compatibility
+    def set_worker_metadata(self, meta: dict[int, dict[str, Any]]) -> None:
+        """Workers' handshake data (rank -> dict with ``metadata`` bytes, ``backend``, ``layout_hash`` ...)."""
+        self.worker_meta = dict(meta)
+
+    def compat_info(self) -> dict[str, Any]:
+        info = dict(self._base_compat)
+        w0 = self.worker_meta.get(0)
+        if w0 is not None:
+            info["backend"] = w0.get("backend")
+            info["layout_hash"] = w0.get("layout_hash")
+            info["layer_names"] = w0.get("layer_names")
+        return info
+
+    def compat(self) -> tuple[str, dict[str, Any]]:
+        """(hash, fields) both sides must agree on. Thread-safe (read-only)."""
+        info = self.compat_info()
+        return compat_hash(info), info
+
+    def hello(self) -> dict[str, Any]:
+        h, info = self.compat()
+        return {"type": "hello", "version": PROTOCOL_VERSION, "engine_id": self.engine_id, "compat": h,
+                "compat_info": info, "tp_size": self.tp_size,
+                "workers": {str(r): b64(m["metadata"]) for r, m in self.worker_meta.items()}}
+
+    def discovery_params(self) -> dict[str, Any]:
+        """What a proxy needs to address this prefill engine's side channel."""
+        return {"kvt_host": self.host, "kvt_port": self.port, "kvt_engine_id": self.engine_id,
+                "kvt_mode": self.settings.mode}
+
+    # ------------------------------------------------------------------ vLLM hooks (both roles)
+    def on_new_request(self, request: Any) -> None:
+        """Register prefill requests early, so destinations that arrive before they are scheduled attach."""
+        if self.producer and transfer_params_kind(request.kv_transfer_params) == "prefill":
+            self._register_source(request)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Decode: claim the rest of the prompt for remote KV ``(n, True)``. Prefill: ``(None, False)`` while
+        waiting up to ``dst_wait`` for destinations (layer-wise push), else ``(0, False)``. Side-effect free."""
+        params = request.kv_transfer_params
+        kind = transfer_params_kind(params)
+        if kind == "decode" and self.consumer:
+            if request.request_id in self.consumed or not self._peer_addr(params):
+                return 0, False
+            count = request.num_prompt_tokens - num_computed_tokens
+            return (count, True) if count > 0 else (0, False)
+        if kind == "prefill" and self.producer and self.settings.dst_wait > 0:
+            src = self.src_by_req.get(request.request_id)
+            if (src is not None and src.mode == "push" and not src.dsts and self.settings.mode == "push"
+                    and time.monotonic() - src.registered < self.settings.dst_wait):
+                return None, False
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Decode: record the allocated destination blocks and queue them for the prefill side."""
+        params = request.kv_transfer_params
+        kind = transfer_params_kind(params)
+        if kind == "prefill" and self.producer:
+            self._register_source(request)
+            return
+        if kind != "decode" or not self.consumer or request.request_id in self.consumed:
+            return
+        addr = self._peer_addr(params)
+        if addr is None:
+            return
+        rid = request.request_id
+        self.consumed.add(rid)
+        xfer = str(params.get("kvt_xfer") or params.get("remote_request_id"))
+        mode = "push" if params.get("kvt_xfer") else "pull"
+        if num_external_tokens <= 0:
+            # everything was found locally: tell the prefill side not to wait for us
+            self._outgoing[addr].append({"type": "cancel", "xfer": xfer, "seqs": [], "count": 1, "mode": mode})
+            return
+        all_ids = list(blocks.get_block_ids()[0])
+        unhashed = list(blocks.get_unhashed_block_ids())
+        offset = len(all_ids) - len(unhashed)
+        self.recvs[rid] = _Recv(rid, xfer, addr, time.monotonic())
+        self._recv_start[rid] = self.settings.transfer_timeout
+        self._outgoing[addr].append({"type": "dst", "xfer": xfer, "mode": mode,
+                                     "dsts": [{"seq": rid, "blocks": unhashed, "offset": offset}]})
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Prefill: keep the blocks (True) until the workers pushed them; returns NIXL-compatible
+        ``kv_transfer_params`` for the decode side. Decode: cancel an outstanding transfer."""
+        rid = request.request_id
+        params = request.kv_transfer_params
+        kind = transfer_params_kind(params)
+        if kind == "decode":
+            self._decode_finished(request)
+            return False, None
+        if kind != "prefill" or not self.producer:
+            return False, None
+        if params.get("kvt_discover"):
+            self._drop_source(rid)
+            return False, self.discovery_params()
+        src = self.src_by_req.get(rid)
+        if src is None:
+            src = self._register_source(request)
+        src.finished = True
+        fam = sampling_family(rid)
+        if src.mode == "pull" and fam is not None and fam in self.families_served and not src.dsts:
+            self._drop_source(rid)  # a sibling was pulled: nobody will ask for this one
+            return False, None
+        status = getattr(request.status, "name", str(request.status))
+        if status in FINISHED_OK and block_ids:
+            src.complete = True
+            src.blocks = list(block_ids)
+            src.computed = max(src.computed, min(request.num_computed_tokens, src.prompt_len))
+            src.deadline = time.monotonic() + self.settings.source_ttl
+            src.delay_freed = True
+            out = {
+                "do_remote_prefill": True, "do_remote_decode": False,
+                "remote_block_ids": list(block_ids), "remote_engine_id": self.engine_id,
+                "remote_request_id": src.xfer, "remote_host": self.host, "remote_port": self.port,
+                "tp_size": self.tp_size, "remote_num_tokens": src.prompt_len,
+                "kvt_connector": "kvtransport",
+            }
+            if src.mode == "push":
+                out["kvt_xfer"] = src.xfer
+            return True, out
+        src.failed = f"prefill request {rid} ended with {status}"
+        self._fail_dsts(src, src.failed)
+        if src.puts_issued:
+            src.delay_freed = True
+            return True, None
+        self._drop_source(rid)
+        return False, None
+
+    def update_connector_output(self, failures: list[SendFailure], finished_recving: set[str] | None) -> None:
+        """Workers' report of the last step: send failures go to their decode engine; landed receives end."""
+        for f in failures:
+            self._send_fail(f.engine, [f.seq], f.reason)
+        for rid in finished_recving or ():
+            self.recvs.pop(rid, None)
+
+    def has_pending_push_work(self) -> bool:
+        """True while destinations wait for their prefill request, or pushes/releases are queued."""
+        return bool(self.orphans or self._whole or self._releases or not self.inbox.empty())
+
+    # ------------------------------------------------------------------ per step
+    def build_plan(self, scheduler_output: Any) -> StepPlan:
+        """Drain the side channel, plan this step's pushes/releases/receives, send queued messages."""
+        now = time.monotonic()
+        self._drain_inbox(now)
+        plan = StepPlan()
+        if self.producer:
+            self._plan_scheduled(scheduler_output, plan)
+            self._plan_completed(now)
+            plan.whole_pushes, self._whole = self._whole, []
+            plan.send_release, self._releases = self._releases, []
+            for eng in self._new_peers:
+                plan.peers[eng] = self.peer_workers[eng]
+            self._new_peers.clear()
+        if self.consumer:
+            plan.recv_start, self._recv_start = self._recv_start, {}
+            plan.recv_abort, self._recv_abort = self._recv_abort, []
+            plan.recv_fail, self._recv_fail = self._recv_fail, {}
+            self._flush_outgoing()
+        return plan
+
+    # ------------------------------------------------------------------ producer internals
+    def _register_source(self, request: Any) -> _Source:
+        rid = request.request_id
+        src = self.src_by_req.get(rid)
+        if src is not None:
+            return src
+        params = request.kv_transfer_params or {}
+        push = bool(params.get("kvt_xfer"))
+        xfer = str(params["kvt_xfer"]) if push else rid
+        fanout = int(params.get("kvt_fanout", 1) or 1)
+        src = _Source(rid, xfer, "push" if push else "pull", max(1, fanout), int(request.num_prompt_tokens))
+        self.src_by_req[rid] = src
+        if not params.get("kvt_discover"):
+            self.sources[xfer] = src
+            orphan = self.orphans.pop(xfer, None)
+            if orphan is not None:
+                _, dsts, cancels = orphan
+                src.dsts.extend(dsts)
+                src.msgs += 1 if dsts else 0
+                src.cancels += cancels
+        return src
+
+    def _drop_source(self, rid: str) -> None:
+        src = self.src_by_req.pop(rid, None)
+        if src is not None and self.sources.get(src.xfer) is src:
+            del self.sources[src.xfer]
+            self.gone[src.xfer] = src.failed or "source released"
+            while len(self.gone) > 4096:
+                self.gone.pop(next(iter(self.gone)))
+
+    def _drain_inbox(self, now: float) -> None:
+        while True:
+            try:
+                ev = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            kind = ev[0]
+            if kind == "hello":
+                _, engine, hello = ev
+                workers = {int(r): unb64(m) for r, m in (hello.get("workers") or {}).items()}
+                if hello.get("tp_size", 1) != self.tp_size:
+                    log.error("decode engine %s has tp_size %s, ours %s: only equal TP sizes are supported",
+                              engine, hello.get("tp_size"), self.tp_size)
+                self.peer_workers[engine] = workers
+                self._new_peers.add(engine)
+            elif kind == "msg":
+                self._on_message(ev[1], ev[2], now)
+            elif kind == "fail":
+                _, seq, reason = ev
+                if seq in self.recvs:
+                    self._recv_fail[seq] = str(reason)
+        # destinations waiting for a prefill request that never came
+        for xfer in [x for x, (dl, _, _) in self.orphans.items() if dl <= now]:
+            _, dsts, _ = self.orphans.pop(xfer)
+            for d in dsts:
+                self._send_fail(d.engine, [d.seq], f"no prefill request for transfer {xfer} arrived within "
+                                                   f"{self.settings.source_ttl:g}s")
+
+    def _on_message(self, engine: str, msg: dict[str, Any], now: float) -> None:
+        mtype = msg.get("type")
+        xfer = str(msg.get("xfer"))
+        src = self.sources.get(xfer)
+        if mtype == "dst":
+            dsts = [_Dst(engine, str(d["seq"]), [int(b) for b in d["blocks"]], int(d.get("offset", 0)))
+                    for d in msg.get("dsts", [])]
+            if src is None:
+                if msg.get("mode") == "push" and xfer not in self.gone:
+                    dl, old, cancels = self.orphans.get(xfer, (now + self.settings.source_ttl, [], 0))
+                    self.orphans[xfer] = (dl, old + dsts, cancels)
+                else:
+                    why = self.gone.get(xfer, "unknown transfer (expired, or sent to the wrong prefill instance)")
+                    for d in dsts:
+                        self._send_fail(engine, [d.seq], f"prefill cannot serve transfer {xfer}: {why}")
+                return
+            if src.failed is not None:
+                for d in dsts:
+                    self._send_fail(engine, [d.seq], src.failed)
+                return
+            src.dsts.extend(dsts)
+            src.msgs += 1
+        elif mtype == "cancel":
+            seqs = {str(s) for s in msg.get("seqs", [])}
+            count = int(msg.get("count", 0))
+            if src is None:
+                if xfer in self.orphans:
+                    dl, old, cancels = self.orphans[xfer]
+                    self.orphans[xfer] = (dl, [d for d in old if d.seq not in seqs], cancels + count)
+                elif msg.get("mode") == "push" and count and xfer not in self.gone:
+                    self.orphans[xfer] = (now + self.settings.source_ttl, [], count)
+                return
+            for d in src.dsts:
+                if d.seq in seqs:
+                    d.cancelled = True
+            src.cancels += count
+        else:
+            log.warning("kvtransport side channel: ignoring message type %r from %s", mtype, engine)
+
+    def _plan_scheduled(self, so: Any, plan: StepPlan) -> None:
+        layerwise = self.settings.mode == "push"
+        for nd in so.scheduled_new_reqs:
+            src = self.src_by_req.get(nd.req_id)
+            if src is not None:
+                src.blocks = list(nd.block_ids[0]) if nd.block_ids else []
+                self._advance(src, nd.num_computed_tokens, so.num_scheduled_tokens.get(nd.req_id, 0), layerwise, plan)
+        cached = so.scheduled_cached_reqs
+        resumed: set[str] = getattr(cached, "resumed_req_ids", None) or set()
+        for i, rid in enumerate(cached.req_ids):
+            src = self.src_by_req.get(rid)
+            if src is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in resumed:
+                src.blocks = list(new_ids[0]) if new_ids else []
+                for d in src.dsts:  # preempted: recomputed from scratch, so re-push everything
+                    if not d.final_sent:
+                        d.pushed_upto = d.offset
+            elif new_ids:
+                src.blocks.extend(new_ids[0])
+            self._advance(src, cached.num_computed_tokens[i], so.num_scheduled_tokens.get(rid, 0), layerwise, plan)
+
+    def _advance(self, src: _Source, before: int, scheduled: int, layerwise: bool, plan: StepPlan) -> None:
+        if before >= src.prompt_len or scheduled <= 0 or src.failed is not None:
+            return
+        after = min(before + scheduled, src.prompt_len)
+        src.computed = after
+        if not (layerwise and src.mode == "push"):
+            return
+        bs = self.block_size
+        final = after >= src.prompt_len
+        upto = -(-after // bs)  # blocks holding computed tokens (last one maybe partial)
+        for d in src.dsts:
+            if d.final_sent or d.cancelled:
+                continue
+            end = min(upto, d.offset + len(d.blocks), len(src.blocks))
+            lo = d.pushed_upto
+            if end > lo:
+                plan.layer_pushes.append(Push(src.req_id, d.seq, d.engine, tuple(src.blocks[lo:end]),
+                                              tuple(d.blocks[lo - d.offset:end - d.offset]), final))
+                src.puts_issued = True
+            elif final:  # nothing left to put, still signal
+                plan.layer_pushes.append(Push(src.req_id, d.seq, d.engine, (), (), True))
+                src.puts_issued = True
+            d.pushed_upto = max(d.pushed_upto, after // bs)
+            d.final_sent = final
+
+    def _plan_completed(self, now: float) -> None:
+        for src in list(self.src_by_req.values()):
+            if src.complete and src.failed is None:
+                n_src = -(-src.prompt_len // self.block_size)
+                for d in src.dsts:
+                    if d.final_sent or d.cancelled:
+                        continue
+                    n = max(0, min(len(d.blocks), n_src - d.offset, len(src.blocks) - d.offset))
+                    self._whole.append(Push(src.req_id, d.seq, d.engine, tuple(src.blocks[d.offset:d.offset + n]),
+                                            tuple(d.blocks[:n]), True))
+                    d.final_sent = True
+                    src.puts_issued = True
+            if not src.finished:
+                continue
+            done = src.failed is not None or src.served()
+            fam = sampling_family(src.req_id) if src.mode == "pull" else None
+            if fam is not None:
+                if done and src.msgs:
+                    self.families_served[fam] = None
+                    while len(self.families_served) > 4096:
+                        self.families_served.pop(next(iter(self.families_served)))
+                elif not src.dsts and fam in self.families_served:
+                    done = True
+            if not done and now >= src.deadline:
+                log.warning("kvtransport: prefill request %s (transfer %s): %d destination(s) still missing after "
+                            "%gs; freeing its blocks", src.req_id, src.xfer,
+                            max(0, src.fanout - len(src.dsts) - src.cancels), self.settings.source_ttl)
+                done = True
+            if done:
+                if src.delay_freed:
+                    self._releases.append(src.req_id)
+                self._drop_source(src.req_id)
+
+    def _fail_dsts(self, src: _Source, reason: str) -> None:
+        for d in src.dsts:
+            if not d.final_sent and not d.cancelled:
+                self._send_fail(d.engine, [d.seq], reason)
+                d.cancelled = True
+
+    def _send_fail(self, engine: str, seqs: list[str], reason: str) -> None:
+        log.warning("kvtransport: transfer to %s %s failed: %s", engine, seqs, reason)
+        if self.server is None or not self.server.send(engine, {"type": "fail", "seqs": seqs, "reason": reason}):
+            log.warning("kvtransport: cannot tell decode engine %s (not connected)", engine)
+
+    # ------------------------------------------------------------------ consumer internals
+    @staticmethod
+    def _peer_addr(params: dict[str, Any]) -> tuple[str, int] | None:
+        host, port = params.get("remote_host"), params.get("remote_port")
+        if not host or not port:
+            return None
+        return str(host), int(port)
+
+    def _decode_finished(self, request: Any) -> None:
+        rid = request.request_id
+        rec = self.recvs.pop(rid, None)
+        if rec is not None:  # aborted while waiting for its KV
+            self._recv_abort.append(rid)
+            self._recv_start.pop(rid, None)
+            self._outgoing[rec.addr].append({"type": "cancel", "xfer": rec.xfer, "seqs": [rid], "count": 0})
+        elif rid not in self.consumed and self.consumer:
+            params = request.kv_transfer_params or {}
+            addr = self._peer_addr(params)
+            if addr is not None and params.get("kvt_xfer"):  # never allocated: the prefill should not wait
+                self._outgoing[addr].append({"type": "cancel", "xfer": str(params["kvt_xfer"]), "seqs": [],
+                                             "count": 1, "mode": "push"})
+        self.consumed.discard(rid)
+
+    def _client(self, addr: tuple[str, int]) -> PeerClient:
+        c = self.clients.get(addr)
+        if c is None or c.dead:
+            c = PeerClient(addr[0], addr[1], self.hello, self.compat, self.inbox, self.settings.connect_timeout)
+            self.clients[addr] = c
+        return c
+
+    def _flush_outgoing(self) -> None:
+        for addr, msgs in self._outgoing.items():
+            client = self._client(addr)
+            merged: dict[str, dict[str, Any]] = {}
+            for m in msgs:  # one dst message per transfer per step (n>1 children arrive together)
+                if m["type"] == "dst" and m["xfer"] in merged:
+                    merged[m["xfer"]]["dsts"].extend(m["dsts"])
+                elif m["type"] == "dst":
+                    merged[m["xfer"]] = m
+                else:
+                    client.send(m)
+            for m in merged.values():
+                client.send(m)
+        self._outgoing.clear()
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for c in self.clients.values():
+            c.close()

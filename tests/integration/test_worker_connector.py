@@ -1,0 +1,131 @@
+"""Worker-side tests: a prefill WorkerSide pushes into a decode WorkerSide over the real nccl backend (gloo on
+host memory), with vLLM-shaped KV caches (one int8 buffer, per-layer [blocks, heads, block, 2*head] views in
+the HND order the CPU backend uses). Checks bytes, completion reports, timeouts and aborts."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("kvtransport_vllm", reason="kvtransport-vllm is not installed")
+
+from kvtransport_vllm.config import resolve_settings  # noqa: E402
+from kvtransport_vllm.metadata import Push, StepPlan  # noqa: E402
+from kvtransport_vllm.worker import TransferResults, WorkerSide  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(180)]
+
+LAYERS, BLOCKS, HEADS, BS, HEAD = 3, 64, 2, 16, 8
+
+
+def vllm_like_cache(seed: int | None) -> dict[str, torch.Tensor]:
+    """One backing buffer; per-layer float32 views [num_blocks, heads, block_size, 2*head_size]."""
+    per_layer = BLOCKS * HEADS * BS * 2 * HEAD
+    buf = torch.zeros(LAYERS * per_layer * 4, dtype=torch.int8)
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        buf.view(torch.float32).copy_(torch.randn(LAYERS * per_layer, generator=g))
+    flat = buf.view(torch.float32)
+    return {f"model.layers.{i}.self_attn.attn": flat[i * per_layer:(i + 1) * per_layer].view(BLOCKS, HEADS, BS, 2 * HEAD)
+            for i in range(LAYERS)}
+
+
+def worker(cache: dict[str, torch.Tensor], **extra) -> WorkerSide:
+    w = WorkerSide(settings=resolve_settings({"backend": "nccl", "connect_timeout": 20, **extra}), engine_id="e")
+    w.register_kv_caches(cache)
+    return w
+
+
+@pytest.fixture
+def pd():
+    src, dst = vllm_like_cache(1), vllm_like_cache(None)
+    p, d = worker(src), worker(dst, transfer_timeout=60)
+    yield p, d, src, dst
+    p.shutdown()
+    d.shutdown()
+
+
+def poll(w: WorkerSide, what: str, rid: str, timeout: float = 30) -> TransferResults:
+    deadline = time.monotonic() + timeout
+    seen = TransferResults(set(), set(), set())
+    while time.monotonic() < deadline:
+        r = w.transfer_results()
+        seen.finished_sending |= r.finished_sending
+        seen.finished_recving |= r.finished_recving
+        seen.failed_recving |= r.failed_recving
+        if rid in getattr(seen, what):
+            return seen
+        time.sleep(0.01)
+    raise AssertionError(f"{rid} not in {what} after {timeout}s: {seen}")
+
+
+def step(p: WorkerSide, plan: StepPlan, cache: dict[str, torch.Tensor]) -> None:
+    """One prefill engine step: bind, the forward calls save_kv_layer per layer, then wait_for_save."""
+    p.bind(plan)
+    for name, t in cache.items():
+        p.save_kv_layer(name, t)
+    p.wait_for_save()
+
+
+def test_layerwise_push_lands_and_releases(pd) -> None:
+    p, d, src, dst = pd
+    meta = d.handshake()["metadata"]
+    d.bind(StepPlan(recv_start={"dreq": 60}))
+    s_ids, d_ids = (3, 4, 5, 9), (40, 41, 7, 8)
+    step(p, StepPlan(peers={"D": {0: meta}}, layer_pushes=[Push("preq", "dreq", "D", s_ids, d_ids, final=True)]), src)
+    r = poll(d, "finished_recving", "dreq")
+    assert "dreq" not in r.failed_recving
+    for name in src:
+        for s, t in zip(s_ids, d_ids, strict=True):
+            assert torch.equal(src[name][s], dst[name][t])
+        assert dst[name][0].abs().sum() == 0  # untouched
+    step(p, StepPlan(send_release=["preq"]), src)
+    poll(p, "finished_sending", "preq")
+    ps, ds = p.stats_delta(), d.stats_delta()
+    assert ps["bytes_sent"] == ds["bytes_received"] == 4 * LAYERS * HEADS * BS * 2 * HEAD * 4
+    assert ps["transfers_layerwise"] == 1 and ds["transfers_received"] == 1 and ps["backend"] == ["nccl"]
+
+
+def test_chunked_then_whole_push(pd) -> None:
+    p, d, src, dst = pd
+    meta = d.handshake()["metadata"]
+    d.bind(StepPlan(recv_start={"a": 60, "b": 60}))
+    # chunk 1 (not final: no signal), chunk 2 final
+    step(p, StepPlan(peers={"D": {0: meta}}, layer_pushes=[Push("p1", "a", "D", (1, 2), (11, 12), final=False)]), src)
+    time.sleep(0.2)
+    assert "a" not in d.transfer_results().finished_recving
+    step(p, StepPlan(layer_pushes=[Push("p1", "a", "D", (2, 3), (12, 13), final=True)]), src)
+    poll(d, "finished_recving", "a")
+    # destination known only after the forward: whole push from the plan
+    step(p, StepPlan(whole_pushes=[Push("p2", "b", "D", (20, 21), (30, 31))]), src)
+    poll(d, "finished_recving", "b")
+    for name in src:
+        for s, t in ((1, 11), (2, 12), (3, 13), (20, 30), (21, 31)):
+            assert torch.equal(src[name][s], dst[name][t])
+
+
+def test_timeout_and_abort_take_the_failure_path(pd) -> None:
+    _, d, _, _ = pd
+    d.bind(StepPlan(recv_start={"late": 0.2, "gone": 60}))
+    r = poll(d, "failed_recving", "late")
+    assert "late" in r.finished_recving  # failed receives are finished too (vLLM's contract)
+    d.bind(StepPlan(recv_abort=["gone"]))
+    r = poll(d, "finished_recving", "gone")
+    assert "gone" not in r.failed_recving
+    d.bind(StepPlan(recv_start={"refused": 60}))
+    d.bind(StepPlan(recv_fail={"refused": "prefill aborted"}))
+    poll(d, "failed_recving", "refused")
+
+
+def test_unknown_peer_reports_send_failure(pd) -> None:
+    p, _, src, _ = pd
+    step(p, StepPlan(layer_pushes=[Push("px", "sx", "nobody", (1,), (1,), final=True)]), src)
+    deadline = time.monotonic() + 10
+    fails = []
+    while not fails and time.monotonic() < deadline:
+        p.transfer_results()
+        fails = p.take_send_failures()
+        time.sleep(0.01)
+    assert fails and fails[0].seq == "sx" and "nobody" in fails[0].reason
