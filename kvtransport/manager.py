@@ -700,7 +700,9 @@ class _Outbound:
     def flush(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         with self._lock:
-            while self._pending and self._error is None and not self._closed:
+            # wait for the signaller to account for everything queued, even when the link failed meanwhile:
+            # a batch it already sent must not be reported as lost (it skips the rest quickly)
+            while self._pending and not self._closed:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TransferTimeout(f"{self._pending} signals to {self.conn.peer_label} not delivered in {timeout:.3g}s")
