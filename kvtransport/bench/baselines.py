@@ -22,6 +22,7 @@ from .common import (
     done,
     gbps,
     is_filled,
+    load1,
     make_cache,
     now,
     progress,
@@ -177,7 +178,7 @@ def raw_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
         d = [b - a for a, b in zip(link.recv_value(), t1s, strict=True)][1:]
         st = summarize(d)
         rows.append({"case": {"size": size}, "bytes": size, "samples_s": d, **st, "gbps": gbps(size, st["median_s"]),
-                     "verified": is_filled(flat[:16], FILL)})
+                     "load1": load1(), "verified": is_filled(flat[:16], FILL)})
         progress(cfg, i, f"{cfg['label']} {_fmt(size)}: {rows[-1]['gbps']:.3g} GB/s")
     link.barrier("end")
     dist.destroy_process_group()
@@ -301,7 +302,7 @@ def nixl_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
                 d = _nixl_recv_reps(link, agent, sender, [f"nsw{i}-{r}" for r in range(1 + cfg["sweep_reps"][i])])
                 st = summarize(d)
                 rows.append({"workload": "sweep", "case": {"size": size}, "bytes": size, "samples_s": d, **st,
-                             "gbps": gbps(size, st["median_s"]), "verified": is_filled(arrays[i], FILL)})
+                             "gbps": gbps(size, st["median_s"]), "load1": load1(), "verified": is_filled(arrays[i], FILL)})
                 progress(cfg, k, f"nixl sweep {_fmt(size)}: {rows[-1]['gbps']:.3g} GB/s")
                 k += 1
             agent.deregister_memory(region.reg)
@@ -324,7 +325,7 @@ def nixl_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
                 rows.append({"workload": "kv", "case": {"preset": shape["preset"], "tokens": shape["tokens"],
                                                         "ids": case["pattern"], "coalesce": None},
                              "bytes": nbytes, "samples_s": d, **st, "gbps": gbps(nbytes, st["median_s"]),
-                             "verified": is_filled(probe, FILL)})
+                             "load1": load1(), "verified": is_filled(probe, FILL)})
                 progress(cfg, k, f"nixl kv {shape['preset']} {shape['tokens']} {case['pattern']}: "
                          f"{rows[-1]['gbps']:.3g} GB/s")
                 k += 1

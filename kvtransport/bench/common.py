@@ -7,6 +7,7 @@ Linux, so a sender's start stamp and the receiver's end stamp compare directly (
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -14,6 +15,14 @@ from typing import Any
 
 FILL = 0x5A
 """Byte the sender's buffers hold; the receiver spot-checks that it arrived."""
+
+
+def load1() -> float | None:
+    """The 1-minute load average when the row was taken (how busy the machine was; None if unknown)."""
+    try:
+        return float(os.getloadavg()[0])
+    except (AttributeError, OSError):
+        return None
 
 
 def now() -> float:

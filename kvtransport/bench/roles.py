@@ -20,6 +20,7 @@ from .common import (
     done,
     gbps,
     is_filled,
+    load1,
     make_cache,
     now,
     progress,
@@ -85,7 +86,7 @@ def sweep_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
             d = _durations(link.recv_value(), t1s, 1)
             st = summarize(d)
             row = {"workload": "sweep", "case": {"size": size}, "bytes": size, "samples_s": d, **st,
-                   "gbps": gbps(size, st["median_s"]), "verified": is_filled(arrays[i], FILL)}
+                   "gbps": gbps(size, st["median_s"]), "load1": load1(), "verified": is_filled(arrays[i], FILL)}
             rows.append(row)
             progress(cfg, i, f"{cfg['label']} sweep {_fmt(size)}: {row['gbps']:.3g} GB/s, "
                      f"median {st['median_s'] * 1e6:.0f} us")
@@ -161,7 +162,7 @@ def kv_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
                 row = {"workload": "kv", "case": {"preset": shape["preset"], "tokens": shape["tokens"],
                                                   "ids": case["pattern"], "coalesce": g["coalesce"]},
                        "bytes": nbytes, "runs_per_layer": case["runs"], "samples_s": d, **st,
-                       "gbps": gbps(nbytes, st["median_s"]), "verified": all(is_filled(p, FILL) for p in probes)}
+                       "gbps": gbps(nbytes, st["median_s"]), "load1": load1(), "verified": all(is_filled(p, FILL) for p in probes)}
                 rows.append(row)
                 progress(cfg, case["index"], f"{cfg['label']} kv {shape['preset']} {_tok(shape['tokens'])} "
                          f"{case['pattern']} coalesce={'on' if g['coalesce'] else 'off'}: {row['gbps']:.3g} GB/s")
@@ -294,7 +295,8 @@ def overlap_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
                "exposed_p99_s": lay["p99_s"], "samples_serialized_s": result["serialized"],
                "samples_exposed_s": result["layerwise"], "median_s": ser["median_s"],
                "gbps": gbps(shape["request_bytes"], ser["median_s"]),
-               "exposed_pct": 100.0 * lay["median_s"] / ser["median_s"] if ser["median_s"] > 0 else float("nan")}
+               "exposed_pct": 100.0 * lay["median_s"] / ser["median_s"] if ser["median_s"] > 0 else float("nan"),
+               "load1": load1()}
         rows.append(row)
         progress(cfg, g["index"], f"{cfg['label']} overlap {shape['preset']} {_tok(shape['tokens'])}: compute "
                  f"{c * 1e3:.3g} ms/layer, serialized {ser['median_s'] * 1e3:.1f} ms, exposed "
@@ -363,7 +365,7 @@ def latency_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     rq = summarize(req)
     row = {"workload": "latency", "case": {"preset": shape["preset"], "blocks": 1, "seqs": n},
            "bytes": shape["num_layers"] * shape["piece_bytes"], **st, "samples_s": sig,
-           "request_median_s": rq["median_s"], "request_p99_s": rq["p99_s"]}
+           "request_median_s": rq["median_s"], "request_p99_s": rq["p99_s"], "load1": load1()}
     progress(cfg, 0, f"{cfg['label']} latency signal->wait over {n} one-block sequences: median "
              f"{st['median_s'] * 1e6:.0f} us, p99 {st['p99_s'] * 1e6:.0f} us (whole request {rq['median_s'] * 1e6:.0f} us)")
     return done({"rows": [row]})

@@ -8,14 +8,18 @@ Keys of ``kv_connector_extra_config`` (all optional)::
                        prefills: "pull" never puts from inside the forward, only after it)
     side_channel_port  port of the scheduler's side channel (env KVT_VLLM_SIDE_CHANNEL_PORT, default 0 = any)
     transfer_timeout   seconds a decode request waits for its KV before the failure path (default 120)
-    source_ttl         seconds a prefill request's blocks are kept for destinations that have not
-                       come yet (default 120)
+    lease              seconds a prefill instance holds blocks for a remote decode (a delay-freed request
+                       waiting for its destination, or for being pulled) without hearing from that decode;
+                       decode instances renew it every lease/3 while they still want the KV. Expired: the
+                       blocks are freed (default 30; ``source_ttl`` is accepted as an older name)
     connect_timeout    seconds for side-channel and transport connects (default 30)
     dst_wait           seconds a prefill request of the push flow may wait for its destination blocks
                        before it is scheduled anyway (default 0: never delay prefill; the push then
                        happens after the forward when the destination comes late)
     model_id           model identity for the compatibility hash (default: basename of the model path)
     backend_options    dict handed to kvtransport.open (capacity, timeout, backend knobs)
+    debug_push_delay   test-only: seconds the prefill worker pauses before the final signal of a request
+                       whose prefill-leg kv_transfer_params carry ``kvt_debug_delay: true`` (default 0)
 """
 
 from __future__ import annotations
@@ -37,11 +41,17 @@ class ConnectorSettings:
     mode: str = "push"
     side_channel_port: int = 0
     transfer_timeout: float = 120.0
-    source_ttl: float = 120.0
+    lease: float = 30.0
     connect_timeout: float = 30.0
     dst_wait: float = 0.0
     model_id: str | None = None
     backend_options: Mapping[str, Any] = field(default_factory=dict)
+    debug_push_delay: float = 0.0
+
+    @property
+    def source_ttl(self) -> float:
+        """Older name of :attr:`lease`."""
+        return self.lease
 
     @property
     def address(self) -> str:
@@ -77,11 +87,12 @@ def resolve_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str] | N
         mode=mode,
         side_channel_port=int(port),
         transfer_timeout=_num("transfer_timeout", 120.0),
-        source_ttl=_num("source_ttl", 120.0),
+        lease=_num("lease", float(extra.get("source_ttl", 30.0))),
         connect_timeout=_num("connect_timeout", 30.0),
         dst_wait=max(0.0, float(extra.get("dst_wait", 0.0))),
         model_id=extra.get("model_id"),
         backend_options=dict(opts),
+        debug_push_delay=max(0.0, float(extra.get("debug_push_delay", 0.0))),
     )
 
 

@@ -17,6 +17,7 @@ class Push:
     (``StepPlan.layer_pushes``) is issued from ``save_kv_layer`` for each layer; ``final`` means this step
     completes the prompt, so each layer is signalled and the sequence is signalled after the last one. A
     whole push (``StepPlan.whole_pushes``) puts and signals every layer at once, right after the forward.
+    ``delay`` (test-only, ``debug_push_delay``): seconds the worker pauses before the sequence's final signal.
     """
 
     req_id: str
@@ -25,6 +26,7 @@ class Push:
     src: tuple[int, ...]
     dst: tuple[int, ...]
     final: bool = True
+    delay: float = 0.0
 
 
 @dataclass

@@ -5,8 +5,10 @@ per step, and everything sent goes through a per-connection outbound queue with 
 Inbox events (tuples)::
 
     ("hello", engine_id, hello_msg)      server: a decode engine connected (carries its workers' metadata)
-    ("msg", engine_id, msg)              server: a dst / cancel message from that engine
+    ("msg", engine_id, msg)              server: a dst / cancel / renew message from that engine
+    ("bye", engine_id, reason)           server: that engine's connection ended (it died or closed)
     ("fail", seq, reason)                client: the prefill side cannot serve ``seq`` (or is unreachable)
+    ("lost", (host, port), reason)       client: an established connection to that prefill ended
 """
 
 from __future__ import annotations
@@ -73,8 +75,9 @@ class SideChannelServer:
     """
 
     def __init__(self, address: str, port: int, engine_id: str, compat: CompatFn, inbox: Inbox,
-                 timeout: float) -> None:
+                 timeout: float, lease: float = 0.0) -> None:
         self.engine_id = engine_id
+        self.lease = lease
         self._compat = compat
         self._inbox = inbox
         self._timeout = timeout
@@ -106,6 +109,7 @@ class SideChannelServer:
     def _serve(self, sock: socket.socket, label: str) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         engine = None
+        why = "connection ended"
         try:
             sock.settimeout(self._timeout)
             hello = recv_message(sock)
@@ -123,7 +127,7 @@ class SideChannelServer:
                 return
             engine = str(hello["engine_id"])
             send_message(sock, {"type": "welcome", "version": PROTOCOL_VERSION, "engine_id": self.engine_id,
-                                "compat": ours, "compat_info": info})
+                                "compat": ours, "compat_info": info, "lease": self.lease})
             sock.settimeout(None)
             conn = _Conn(sock, label)
             with self._lock:
@@ -136,14 +140,19 @@ class SideChannelServer:
                 msg = recv_message(sock)
                 self._inbox.put(("msg", engine, msg))
         except (OSError, ProtocolFailure, KeyError) as exc:
+            why = str(exc)
             if not self._closed:
                 log.info("side channel from %s (engine %s) ended: %s", label, engine, exc)
         finally:
+            current = False
             with self._lock:
                 conn2 = self._conns.get(engine) if engine else None
                 if engine is not None and conn2 is not None and conn2.sock is sock:
                     del self._conns[engine]
                     conn2.close()
+                    current = True
+            if current and not self._closed:  # not replaced by a newer connection of the same engine
+                self._inbox.put(("bye", engine, why))
             try:
                 sock.close()
             except OSError:
@@ -182,6 +191,7 @@ class PeerClient:
         self._conn: _Conn | None = None
         self.error: str | None = None
         self.peer_engine: str | None = None
+        self.peer_lease: float | None = None
         threading.Thread(target=self._run, name=f"kvt-sc-c-{self.label}", daemon=True).start()
 
     @property
@@ -246,6 +256,8 @@ class PeerClient:
                 raise ProtocolFailure(
                     f"prefill {self.label} is incompatible: {describe_mismatch(info, reply.get('compat_info') or {})}")
             self.peer_engine = str(reply.get("engine_id"))
+            lease = reply.get("lease")
+            self.peer_lease = float(lease) if isinstance(lease, (int, float)) and lease > 0 else None
             sock.settimeout(None)
         except (OSError, ProtocolFailure) as exc:
             log.error("kvtransport side channel: %s", exc)
@@ -265,7 +277,11 @@ class PeerClient:
                     for seq in msg.get("seqs", []):
                         self._inbox.put(("fail", seq, str(msg.get("reason", "prefill failed"))))
         except (OSError, ProtocolFailure) as exc:
-            self._die(f"side channel to prefill {self.label} lost: {exc}")
+            reason = f"side channel to prefill {self.label} lost: {exc}"
+            closed = self.error is not None
+            self._die(reason)
+            if not closed:  # the prefill went away (not our close()): its transfers cannot complete
+                self._inbox.put(("lost", (self.host, self.port), reason))
 
     def close(self) -> None:
         self._die("closed")

@@ -102,6 +102,9 @@ class _Pusher:
             for p in pushes:
                 self._put(p, layer, signal_layer=p.final)
         elif kind == "signal":
+            delay = max((p.delay for p in job[1]), default=0.0)
+            if delay > 0:  # test-only (debug_push_delay): hold the transfer open before its final signal
+                time.sleep(delay)
             for p in job[1]:
                 if self._signal(p):
                     self.sent_layerwise += 1
@@ -109,6 +112,8 @@ class _Pusher:
             whole: Push = job[1]
             for layer in range(self.num_layers):
                 self._put(whole, layer, signal_layer=True)
+            if whole.delay > 0:
+                time.sleep(whole.delay)
             if self._signal(whole):
                 self.sent_whole += 1
         elif kind == "release":
