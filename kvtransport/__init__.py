@@ -63,6 +63,8 @@ def open(  # noqa: A001 - the name the contract asks for
     if not isinstance(layout, KVLayout):
         raise LayoutError(f"open() needs a KVLayout (KVLayout.from_tensors(...)), got {type(layout).__name__}")
     settings = resolve(backend, ifname, **options)
+    if settings.checksum and layout.is_cuda:
+        raise ConfigurationError("checksum=True (a debug option) verifies host memory only; turn it off for CUDA caches")
     spec = registry.choose(settings.backend, layout.memory_kind)
     transport = spec.create(layout, settings)
     try:

@@ -7,6 +7,7 @@ Environment variables:
     KV_TRANSPORT_SECRET   shared secret; when set, peers must prove it (HMAC) in the handshake
     KV_TRANSPORT_PORT     side-channel port (default 0: any free port)
     KV_TRANSPORT_TIMEOUT  default bound in seconds for connect/handshake/internal waits (default 30)
+    KV_TRANSPORT_CHECKSUM 1: debug option, CRC-32 of every put verified on arrival (host memory)
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def resolve(
         core["port"] = _env_int(env, "KV_TRANSPORT_PORT")
     if "timeout" not in core and env.get("KV_TRANSPORT_TIMEOUT"):
         core["timeout"] = _env_float(env, "KV_TRANSPORT_TIMEOUT")
+    if "checksum" not in core and env.get("KV_TRANSPORT_CHECKSUM"):
+        core["checksum"] = env["KV_TRANSPORT_CHECKSUM"].strip().lower() in ("1", "true", "yes", "on")
     secret = core.pop("secret", None)
     if secret is None and env.get("KV_TRANSPORT_SECRET"):
         secret = env["KV_TRANSPORT_SECRET"]

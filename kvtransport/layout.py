@@ -360,6 +360,21 @@ def _check_no_overlap(name: str, planes: Sequence[Plane], num_blocks: int) -> No
                 )
 
 
+def pieces_crc32(layer: LayerRegion, runs: Sequence[tuple[int, int, int]], *, source: bool) -> int:
+    """CRC-32 of the pieces a put reads (``source``) or writes, in a fixed order (plane, run, block), so
+    sender and receiver compute the same value for a correct transfer. Host memory only (debug aid)."""
+    import ctypes
+    import zlib
+
+    crc = 0
+    for plane in layer.planes:
+        for src, dst, count in runs:
+            start = src if source else dst
+            for b in range(start, start + count):
+                crc = zlib.crc32(ctypes.string_at(plane.address(b), plane.piece_bytes), crc)
+    return crc
+
+
 def iter_segments(
     local: LayerRegion, remote: LayerRegion, runs: Sequence[tuple[int, int, int]]
 ) -> Iterator[tuple[int, int, int]]:

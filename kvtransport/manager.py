@@ -41,7 +41,7 @@ from .errors import (
     TransferError,
     TransferTimeout,
 )
-from .layout import KVLayout
+from .layout import KVLayout, pieces_crc32
 from .semaphores import SeqId, SequenceTable
 from .sidechannel import FramedSocket
 from .wire import FrameType
@@ -202,6 +202,9 @@ class CommManager:
         if not runs:
             return
         st.put(seq_id, layer, runs)
+        if self.settings.checksum:  # debug: the receiver recomputes it when the layer's signal arrives
+            crc = pieces_crc32(self.layout.layers[layer], runs, source=True)
+            st.control(FrameType.CHECKSUM, wire.encode_checksum(seq_id, layer, crc, runs))
         nblocks = len(src_block_ids)
         with self._stats_lock:
             self._stats.puts += 1
@@ -464,6 +467,7 @@ class _Inbound:
         self.link: InboundLink | None = None
         self.peer: str | None = None
         self.closed = False
+        self._checksums: dict[SeqId, list[tuple[int, int, list[BlockRun]]]] = {}
         self._acks: dict[tuple[SeqId, int], threading.Event] = {}
         self._acks_lock = threading.Lock()
 
@@ -491,10 +495,17 @@ class _Inbound:
                 kind, payload = self.conn.recv()
                 if kind == FrameType.PUT and two_sided:
                     self._on_put(payload)
+                elif kind == FrameType.CHECKSUM:
+                    seq, ck_layer, crc, runs = wire.decode_checksum(payload)
+                    if ck_layer >= cm.layout.num_layers or any(r.dst + r.count > cm.layout.num_blocks for r in runs):
+                        raise ProtocolError("CHECKSUM frame outside our layout")
+                    self._checksums.setdefault(seq, []).append((ck_layer, crc, runs))
                 elif kind == FrameType.SIGNAL:
                     seq, layer = wire.decode_signal(payload)
                     if layer is not None and layer >= cm.layout.num_layers:
                         raise ProtocolError(f"SIGNAL for layer {layer} beyond our {cm.layout.num_layers} layers")
+                    if self._checksums and not self._verify(seq, layer):
+                        continue
                     try:
                         if layer is None:
                             cm._table.mark_complete(seq, peer=self.peer)
@@ -577,6 +588,25 @@ class _Inbound:
             except KVTransportError:
                 pass
             raise
+
+    def _verify(self, seq: SeqId, layer: int | None) -> bool:
+        """Debug option ``checksum``: recompute the CRCs of what landed for ``seq`` (one layer, or all
+        that are pending) before the signal counts. On a mismatch the sequence fails; returns False."""
+        cm = self.cm
+        pending = self._checksums.get(seq, [])
+        due = [c for c in pending if layer is None or c[0] == layer]
+        self._checksums[seq] = [c for c in pending if c not in due]
+        if not self._checksums[seq]:
+            del self._checksums[seq]
+        for lyr, crc, runs in due:
+            if pieces_crc32(cm.layout.layers[lyr], runs, source=False) != crc:
+                cm._table.acquire(seq, peer=self.peer, remote=True)
+                cm._table.fail(seq, TransferError(
+                    f"integrity check failed for sequence {seq!r} layer {lyr}: the bytes that landed differ "
+                    "from what was sent (silent corruption on the path)"))
+                cm._count_failure()
+                return False
+        return True
 
     def _on_put(self, payload: bytes) -> None:
         cm = self.cm
@@ -686,6 +716,10 @@ class _Outbound:
         with self._put_lock:
             self.mark_failed(seq, SequenceAborted(f"sequence {seq!r} was cancelled by the sender"))
         self._control(FrameType.CANCEL, wire.encode_cancel(seq))
+
+    def control(self, kind: FrameType, payload: bytes) -> None:
+        """Queue a frame in order with signals (see ``_control``)."""
+        self._control(kind, payload)
 
     def _control(self, kind: FrameType, payload: bytes) -> None:
         """Send a frame that must arrive after every earlier put has landed (one-sided: flush first,

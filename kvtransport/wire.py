@@ -20,6 +20,7 @@ Frame types and payloads:
     ABORT      server->client  seq | u64 token   (receiver aborts: stop writing, flush, then ABORT_ACK)
     ABORT_ACK  client->server  seq | u64 token   (no write for seq can land after this)
     CANCEL     client->server  seq               (sender gave the sequence up; receiver's waits fail)
+    CHECKSUM   client->server  seq | u32 layer | u32 crc32 | u32 nruns | runs  (debug option ``checksum``)
     PING/PONG  either way      empty
 where ``seq`` is u16 length + UTF-8 JSON of the id (a string or an integer).
 """
@@ -64,6 +65,7 @@ class FrameType(enum.IntEnum):
     ABORT = 10
     ABORT_ACK = 11
     CANCEL = 12
+    CHECKSUM = 13
 
 
 # ---------------------------------------------------------------------- metadata
@@ -204,6 +206,21 @@ def decode_put(payload: bytes) -> tuple[SeqId, int, list[BlockRun]]:
             raise ProtocolError(f"PUT frame run {i} is invalid: ({src}, {dst}, {count})")
         runs.append(BlockRun(src, dst, count))
     return seq, layer, runs
+
+
+def encode_checksum(seq: SeqId, layer: int, crc: int, runs: Sequence[BlockRun]) -> bytes:
+    put = encode_put(seq, layer, runs)
+    head = _encode_seq(seq)
+    return head + struct.pack("!I", crc) + put[len(head):]
+
+
+def decode_checksum(payload: bytes) -> tuple[SeqId, int, int, list[BlockRun]]:
+    seq, off = _decode_seq(payload, 0)
+    if len(payload) < off + 4:
+        raise ProtocolError("truncated CHECKSUM frame")
+    (crc,) = struct.unpack_from("!I", payload, off)
+    _, layer, runs = decode_put(payload[:off] + payload[off + 4 :])
+    return seq, layer, crc, runs
 
 
 def encode_signal(seq: SeqId, layer: int | None) -> bytes:

@@ -247,3 +247,31 @@ def test_sender_cancel_fails_receiver_wait(pair):
     assert time.monotonic() - t0 < 5
     with pytest.raises(kt.SequenceAborted):
         s.signal(peer, "c")
+
+
+def test_checksum_option_catches_silent_corruption():
+    src, dst = HostCache(SPEC, fill_seed=5), HostCache(SPEC)
+    with kt.open(src.layout, backend="inproc", checksum=True) as s, \
+            kt.open(dst.layout, backend="inproc", checksum=True) as r:
+        peer = s.connect(r.metadata())
+        s.put_layer(peer, "good", 0, [1, 2, 3], [4, 5, 6])
+        s.signal_layer(peer, "good", 0)
+        r.wait_layer("good", 0, timeout=5)
+        # corrupt the path: the backend flips a byte after copying
+        orig = peer._state.link.put
+
+        def corrupting_put(layer, runs):
+            orig(layer, runs)
+            p = dst.layout.layers[layer].planes[0]
+            import ctypes
+
+            ctypes.memset(p.address(runs[0].dst) + 7, 0xAB, 1)
+
+        peer._state.link.put = corrupting_put
+        s.put_layer(peer, "bad", 1, [7, 8], [9, 10])
+        s.signal(peer, "bad")
+        with pytest.raises(kt.TransferError, match="integrity check failed"):
+            r.wait("bad", timeout=5)
+    cuda_layout = kt.KVLayout.from_regions(4, [[(4096, 64, 64)]], device="cuda:0")
+    with pytest.raises(kt.ConfigurationError, match="host memory only"):
+        kt.open(cuda_layout, backend="inproc", checksum=True)
