@@ -168,7 +168,7 @@ def test_configuration_errors_name_the_fix(monkeypatch):
     with pytest.raises(kt.UnknownBackend, match=r"installed: .*inproc"):
         kt.open(layout, backend="nope")
     if "mscclpp" not in kt.registry.specs():
-        with pytest.raises(kt.UnknownBackend, match="MSCCL\+\+ built from source; use ucx"):
+        with pytest.raises(kt.UnknownBackend, match=r"MSCCL\+\+ built from source; use ucx"):
             kt.open(layout, backend="mscclpp")
     with pytest.raises(kt.InterfaceNotFound, match=r"NET_IFNAME=eth9 not found; interfaces: .*lo"):
         kt.open(layout, backend="inproc", ifname="eth9")
