@@ -346,3 +346,77 @@ def test_pull_with_n2_on_prefill_frees_the_unpulled_sibling(pair) -> None:
         return not pr.p.requests
     wait_until(all_freed)
     assert_no_leaks(pr.p)
+
+
+def _spy_counters(pr: Pair) -> dict[str, int]:
+    """The prefill scheduler's connector counters, summed over vLLM's stats collection (which resets them)."""
+    seen: dict[str, int] = {}
+    orig = pr.pc.stats_delta
+
+    def spy() -> dict[str, int]:
+        out = orig()
+        for k, v in out.items():
+            seen[k] = seen.get(k, 0) + v
+        return out
+
+    pr.pc.stats_delta = spy
+    return seen
+
+
+def test_lease_renewed_by_live_decode_then_freed_when_it_disconnects(pair) -> None:
+    """A finished prefill request waiting for its destination is kept past the lease while the decode renews it
+    (the decode's request waits unallocated), and freed at once when that decode's side channel closes."""
+    pr = pair(p_extra={"lease": 0.6})
+    seen = _spy_counters(pr)
+    prompt = list(range(10, 10 + 40))
+    pparams, dparams = pr.push_params("x-lease")
+    dreq = make_request(prompt, params=dparams)
+    pr.dc.on_new_request(dreq)  # what add_request does; the decode never schedules it (no free slot, say)
+    pr.dc.build_plan(None)
+    wait_until(lambda: (pr.pc._drain_inbox(time.monotonic()) or "x-lease" in pr.pc.holds))
+    preq = make_request(prompt, params=pparams, max_tokens=1)
+    pr.p.add_request(preq)
+    so = pr.p.schedule()
+    pr.p.update_from_output(so, runner_output([preq]))  # finished, blocks held for the decode
+    end = time.monotonic() + 1.5
+    while time.monotonic() < end:  # 2.5 leases: the decode's renewals (every lease/3) keep it
+        pr.dc.build_plan(None)
+        so = pr.p.schedule()
+        assert not plan_of(so).send_release
+        pr.p.update_from_output(so, empty_output())
+        time.sleep(0.05)
+    assert pr.pc.src_by_req[preq.request_id].holders
+    for c in pr.dc.clients.values():  # the decode goes away
+        c.close()
+    released: list[str] = []
+
+    def freed() -> bool:
+        so = pr.p.schedule()
+        released.extend(plan_of(so).send_release)
+        pr.p.update_from_output(so, empty_output(sending=set(plan_of(so).send_release)))
+        return bool(released)
+
+    wait_until(freed, timeout=0.5)  # well within a lease: the lost side channel, not the lease
+    assert released == [preq.request_id]
+    assert seen == {"decode_disconnects": 1}
+    assert_no_leaks(pr.p)
+
+
+def test_lease_expires_without_decode(pair) -> None:
+    """Blocks held for a decode that never comes are freed once the lease expires, and counted."""
+    pr = pair(p_extra={"lease": 0.3})
+    seen = _spy_counters(pr)
+    pparams, _ = pr.push_params("x-nobody")
+    preq = make_request(list(range(10, 50)), params=pparams, max_tokens=1)
+    pr.p.add_request(preq)
+    so = pr.p.schedule()
+    pr.p.update_from_output(so, runner_output([preq]))
+    so = pr.p.schedule()
+    assert not plan_of(so).send_release
+    pr.p.update_from_output(so, empty_output())
+    time.sleep(0.35)
+    so = pr.p.schedule()
+    assert plan_of(so).send_release == [preq.request_id]
+    pr.p.update_from_output(so, empty_output(sending={preq.request_id}))
+    assert seen == {"lease_expirations": 1}
+    assert_no_leaks(pr.p)

@@ -187,9 +187,14 @@ class KVTransportConnector(KVConnectorBase_V1):
         return KVTransportWorkerMeta(fails) if fails else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self._worker is None:
+        """Worker: transport counters; scheduler: lease expirations and lost peers. None when empty."""
+        if self._worker is not None:
+            data = self._worker.stats_delta()
+        elif self._sched is not None:
+            data = self._sched.stats_delta()
+        else:
             return None
-        stats = KVTransportStats(data=self._worker.stats_delta())
+        stats = KVTransportStats(data=data)
         return None if stats.is_empty() else stats
 
     # ------------------------------------------------------------------ scheduler side

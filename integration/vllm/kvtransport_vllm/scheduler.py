@@ -8,6 +8,12 @@ Decode role (``kv_consumer``/``kv_both``): claims prompt tokens for requests car
 parks them in WAITING_FOR_REMOTE_KVS, sends their freshly allocated block ids to the prefill scheduler, and
 tells its workers which sequences to wait for (and for how long).
 
+Leases: blocks a prefill holds for a remote decode (a finished request waiting for its destination or for
+being pulled) are freed ``lease`` seconds after the last word from that decode. A decode renews the lease of
+every transfer it still wants every lease/3 (``renew`` messages); when a decode's side channel drops, the
+transfers it held are given up at once. When a prefill's side channel drops, the decode fails the requests
+still waiting for its KV (vLLM then fails or recomputes them per ``kv_load_failure_policy``).
+
 Every method is called on the scheduler thread and never blocks on the network: side-channel traffic goes
 through :mod:`.sidechannel`'s threads and an inbox drained in :meth:`build_plan`.
 """
@@ -30,6 +36,7 @@ from .sidechannel import PeerClient, SideChannelServer
 log = logging.getLogger("vllm.kvtransport")
 
 FINISHED_OK = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+PREFILL_LOST = "prefill lost: "  # prefix of recv_fail reasons caused by a lost prefill (the worker counts them)
 _CHILD = re.compile(r"^\d+_")
 
 
@@ -71,8 +78,10 @@ class _Source:
     finished: bool = False  # request_finished was called
     delay_freed: bool = False  # we told vLLM to keep the blocks: a release must follow
     puts_issued: bool = False
-    deadline: float = 0.0
+    lease_until: float = 0.0  # a finished source not served by then is freed (renewals push it back)
     registered: float = field(default_factory=time.monotonic)
+    holders: set[str] = field(default_factory=set)  # decode engines that asked for (renewed) this transfer
+    debug_delay: bool = False
 
     def served(self) -> bool:
         """No further destinations are expected."""
@@ -120,7 +129,7 @@ class SchedulerSide:
         self.server: SideChannelServer | None = None
         if producer:
             self.server = SideChannelServer(self.host, settings.side_channel_port, engine_id, self.compat,
-                                            self.inbox, settings.connect_timeout)
+                                            self.inbox, settings.connect_timeout, lease=settings.lease)
             self.port = self.server.port
             log.info("kvtransport connector: side channel of engine %s on %s:%d", engine_id, self.host, self.port)
         else:
@@ -128,12 +137,14 @@ class SchedulerSide:
         # producer state
         self.sources: dict[str, _Source] = {}
         self.src_by_req: dict[str, _Source] = {}
-        self.orphans: dict[str, tuple[float, list[_Dst], int]] = {}  # xfer -> (deadline, dsts, cancels)
+        self.orphans: dict[str, tuple[float, list[_Dst], int]] = {}  # xfer -> (lease end, dsts, cancels)
         self.gone: dict[str, str] = {}  # xfer -> why it can no longer be served (bounded)
         # pull flow with n>1 on the prefill (vLLM's toy proxy forwards n): only one child's params reach the
-        # decode, so once one child was pulled its siblings are freed instead of waiting for source_ttl
+        # decode, so once one child was pulled its siblings are freed instead of waiting for the lease
         self.families_served: dict[str, None] = {}
         self.peer_workers: dict[str, dict[int, bytes]] = {}
+        self.holds: dict[str, tuple[float, set[str]]] = {}  # xfer -> (expiry, engines): renewed before registered
+        self.counters: dict[str, int] = {"lease_expirations": 0, "decode_disconnects": 0}
         self._new_peers: set[str] = set()
         self._releases: list[str] = []
         self._whole: list[Push] = []
@@ -145,6 +156,8 @@ class SchedulerSide:
         self._recv_start: dict[str, float] = {}
         self._recv_abort: list[str] = []
         self._recv_fail: dict[str, str] = {}
+        self.wanted: dict[str, tuple[str, tuple[str, int]]] = {}  # decode req -> (xfer, prefill addr) not landed
+        self._last_renew = 0.0
 
     # ------------------------------------------------------------------ compatibility
     def set_worker_metadata(self, meta: dict[int, dict[str, Any]]) -> None:
@@ -178,9 +191,18 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ vLLM hooks (both roles)
     def on_new_request(self, request: Any) -> None:
-        """Register prefill requests early, so destinations that arrive before they are scheduled attach."""
-        if self.producer and transfer_params_kind(request.kv_transfer_params) == "prefill":
+        """Register prefill requests early, so destinations that arrive before they are scheduled attach.
+        Decode: take a lease on the transfer at once (the prefill then knows who holds it)."""
+        kind = transfer_params_kind(request.kv_transfer_params)
+        if self.producer and kind == "prefill":
             self._register_source(request)
+        elif self.consumer and kind == "decode":
+            params = request.kv_transfer_params
+            addr = self._peer_addr(params)
+            xfer = params.get("kvt_xfer") or params.get("remote_request_id")
+            if addr is not None and xfer:
+                self.wanted[request.request_id] = (str(xfer), addr)
+                self._outgoing[addr].append({"type": "renew", "xfers": [str(xfer)]})
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Decode: claim the rest of the prompt for remote KV ``(n, True)``. Prefill: ``(None, False)`` while
@@ -195,7 +217,7 @@ class SchedulerSide:
         if kind == "prefill" and self.producer and self.settings.dst_wait > 0:
             src = self.src_by_req.get(request.request_id)
             if (src is not None and src.mode == "push" and not src.dsts and self.settings.mode == "push"
-                    and time.monotonic() - src.registered < self.settings.dst_wait):
+                    and src.failed is None                    and time.monotonic() - src.registered < self.settings.dst_wait):
                 return None, False
         return 0, False
 
@@ -245,6 +267,12 @@ class SchedulerSide:
         if src is None:
             src = self._register_source(request)
         src.finished = True
+        if src.failed is not None:  # given up while computed (its decode went away)
+            if src.puts_issued:
+                src.delay_freed = True  # released once the puts already issued are flushed
+                return True, None
+            self._drop_source(rid)
+            return False, None
         fam = sampling_family(rid)
         if src.mode == "pull" and fam is not None and fam in self.families_served and not src.dsts:
             self._drop_source(rid)  # a sibling was pulled: nobody will ask for this one
@@ -254,7 +282,7 @@ class SchedulerSide:
             src.complete = True
             src.blocks = list(block_ids)
             src.computed = max(src.computed, min(request.num_computed_tokens, src.prompt_len))
-            src.deadline = time.monotonic() + self.settings.source_ttl
+            src.lease_until = max(src.lease_until, time.monotonic() + self.settings.lease)
             src.delay_freed = True
             out = {
                 "do_remote_prefill": True, "do_remote_decode": False,
@@ -280,6 +308,7 @@ class SchedulerSide:
             self._send_fail(f.engine, [f.seq], f.reason)
         for rid in finished_recving or ():
             self.recvs.pop(rid, None)
+            self.wanted.pop(rid, None)
 
     def has_pending_push_work(self) -> bool:
         """True while destinations wait for their prefill request, or pushes/releases are queued."""
@@ -300,6 +329,7 @@ class SchedulerSide:
                 plan.peers[eng] = self.peer_workers[eng]
             self._new_peers.clear()
         if self.consumer:
+            self._renew(now)
             plan.recv_start, self._recv_start = self._recv_start, {}
             plan.recv_abort, self._recv_abort = self._recv_abort, []
             plan.recv_fail, self._recv_fail = self._recv_fail, {}
@@ -316,10 +346,14 @@ class SchedulerSide:
         push = bool(params.get("kvt_xfer"))
         xfer = str(params["kvt_xfer"]) if push else rid
         fanout = int(params.get("kvt_fanout", 1) or 1)
-        src = _Source(rid, xfer, "push" if push else "pull", max(1, fanout), int(request.num_prompt_tokens))
+        src = _Source(rid, xfer, "push" if push else "pull", max(1, fanout), int(request.num_prompt_tokens),
+                      debug_delay=bool(params.get("kvt_debug_delay")) and self.settings.debug_push_delay > 0)
         self.src_by_req[rid] = src
         if not params.get("kvt_discover"):
             self.sources[xfer] = src
+            hold = self.holds.pop(xfer, None)
+            if hold is not None:
+                src.holders |= hold[1]
             orphan = self.orphans.pop(xfer, None)
             if orphan is not None:
                 _, dsts, cancels = orphan
@@ -353,27 +387,43 @@ class SchedulerSide:
                 self._new_peers.add(engine)
             elif kind == "msg":
                 self._on_message(ev[1], ev[2], now)
+            elif kind == "bye":
+                self._engine_gone(str(ev[1]), str(ev[2]))
             elif kind == "fail":
                 _, seq, reason = ev
                 if seq in self.recvs:
                     self._recv_fail[seq] = str(reason)
+                    self.wanted.pop(seq, None)
+            elif kind == "lost":
+                _, addr, reason = ev
+                for rid, rec in self.recvs.items():
+                    if rec.addr == tuple(addr) and rid not in self._recv_fail:
+                        log.warning("kvtransport: %s loses its prefill: %s", rid, reason)
+                        self._recv_fail[rid] = PREFILL_LOST + str(reason)
+                        self.wanted.pop(rid, None)
         # destinations waiting for a prefill request that never came
         for xfer in [x for x, (dl, _, _) in self.orphans.items() if dl <= now]:
             _, dsts, _ = self.orphans.pop(xfer)
             for d in dsts:
                 self._send_fail(d.engine, [d.seq], f"no prefill request for transfer {xfer} arrived within "
-                                                   f"{self.settings.source_ttl:g}s")
+                                                   f"{self.settings.lease:g}s")
+        for xfer in [x for x, (dl, _) in self.holds.items() if dl <= now]:
+            del self.holds[xfer]
 
     def _on_message(self, engine: str, msg: dict[str, Any], now: float) -> None:
         mtype = msg.get("type")
         xfer = str(msg.get("xfer"))
         src = self.sources.get(xfer)
+        if mtype in ("dst", "renew"):
+            self._renewed(engine, [xfer] if mtype == "dst" else [str(x) for x in msg.get("xfers", [])], now)
+        if mtype == "renew":
+            return
         if mtype == "dst":
             dsts = [_Dst(engine, str(d["seq"]), [int(b) for b in d["blocks"]], int(d.get("offset", 0)))
                     for d in msg.get("dsts", [])]
             if src is None:
                 if msg.get("mode") == "push" and xfer not in self.gone:
-                    dl, old, cancels = self.orphans.get(xfer, (now + self.settings.source_ttl, [], 0))
+                    dl, old, cancels = self.orphans.get(xfer, (now + self.settings.lease, [], 0))
                     self.orphans[xfer] = (dl, old + dsts, cancels)
                 else:
                     why = self.gone.get(xfer, "unknown transfer (expired, or sent to the wrong prefill instance)")
@@ -394,7 +444,7 @@ class SchedulerSide:
                     dl, old, cancels = self.orphans[xfer]
                     self.orphans[xfer] = (dl, [d for d in old if d.seq not in seqs], cancels + count)
                 elif msg.get("mode") == "push" and count and xfer not in self.gone:
-                    self.orphans[xfer] = (now + self.settings.source_ttl, [], count)
+                    self.orphans[xfer] = (now + self.settings.lease, [], count)
                 return
             for d in src.dsts:
                 if d.seq in seqs:
@@ -443,10 +493,11 @@ class SchedulerSide:
             lo = d.pushed_upto
             if end > lo:
                 plan.layer_pushes.append(Push(src.req_id, d.seq, d.engine, tuple(src.blocks[lo:end]),
-                                              tuple(d.blocks[lo - d.offset:end - d.offset]), final))
+                                              tuple(d.blocks[lo - d.offset:end - d.offset]), final,
+                                              self._delay(src) if final else 0.0))
                 src.puts_issued = True
             elif final:  # nothing left to put, still signal
-                plan.layer_pushes.append(Push(src.req_id, d.seq, d.engine, (), (), True))
+                plan.layer_pushes.append(Push(src.req_id, d.seq, d.engine, (), (), True, self._delay(src)))
                 src.puts_issued = True
             d.pushed_upto = max(d.pushed_upto, after // bs)
             d.final_sent = final
@@ -460,7 +511,7 @@ class SchedulerSide:
                         continue
                     n = max(0, min(len(d.blocks), n_src - d.offset, len(src.blocks) - d.offset))
                     self._whole.append(Push(src.req_id, d.seq, d.engine, tuple(src.blocks[d.offset:d.offset + n]),
-                                            tuple(d.blocks[:n]), True))
+                                            tuple(d.blocks[:n]), True, self._delay(src)))
                     d.final_sent = True
                     src.puts_issued = True
             if not src.finished:
@@ -474,15 +525,62 @@ class SchedulerSide:
                         self.families_served.pop(next(iter(self.families_served)))
                 elif not src.dsts and fam in self.families_served:
                     done = True
-            if not done and now >= src.deadline:
-                log.warning("kvtransport: prefill request %s (transfer %s): %d destination(s) still missing after "
-                            "%gs; freeing its blocks", src.req_id, src.xfer,
-                            max(0, src.fanout - len(src.dsts) - src.cancels), self.settings.source_ttl)
+            if not done and now >= src.lease_until:
+                log.warning("kvtransport: prefill request %s (transfer %s): lease expired (%d destination(s) still "
+                            "missing, no word from a decode for %gs); freeing its blocks", src.req_id, src.xfer,
+                            max(0, src.fanout - len(src.dsts) - src.cancels), self.settings.lease)
+                self.counters["lease_expirations"] += 1
                 done = True
             if done:
                 if src.delay_freed:
                     self._releases.append(src.req_id)
                 self._drop_source(src.req_id)
+
+    def _delay(self, src: _Source) -> float:
+        """Test-only pause before ``src``'s final signal (``debug_push_delay`` and ``kvt_debug_delay``)."""
+        return self.settings.debug_push_delay if src.debug_delay else 0.0
+
+    def _renewed(self, engine: str, xfers: list[str], now: float) -> None:
+        """``engine`` still wants these transfers: extend their leases and remember it as their holder."""
+        until = now + self.settings.lease
+        for xfer in xfers:
+            src = self.sources.get(xfer)
+            if src is not None:
+                src.holders.add(engine)
+                src.lease_until = max(src.lease_until, until)
+            elif xfer not in self.gone:
+                _, engines = self.holds.get(xfer, (until, set()))
+                self.holds[xfer] = (until, engines | {engine})
+        while len(self.holds) > 4096:
+            self.holds.pop(next(iter(self.holds)))
+
+    def _engine_gone(self, engine: str, reason: str) -> None:
+        """A decode engine's side channel ended: give up what only it was waiting for (no lease wait)."""
+        for xfer, (dl, dsts, cancels) in list(self.orphans.items()):
+            keep = [d for d in dsts if d.engine != engine]
+            self.orphans[xfer] = (dl, keep, cancels + len(dsts) - len(keep))
+        for xfer, (_, engines) in list(self.holds.items()):
+            engines.discard(engine)
+            if not engines:
+                del self.holds[xfer]
+        for src in list(self.src_by_req.values()):
+            mine = [d for d in src.dsts if d.engine == engine]
+            if engine not in src.holders and not mine:
+                continue
+            src.holders.discard(engine)
+            for d in mine:
+                d.cancelled = True
+            if src.failed is None and not src.holders and not any(not d.cancelled for d in src.dsts):
+                src.failed = f"decode engine {engine} disconnected ({reason})"
+                self.counters["decode_disconnects"] += 1
+                log.warning("kvtransport: prefill request %s (transfer %s): %s; freeing its blocks",
+                            src.req_id, src.xfer, src.failed)
+
+    def stats_delta(self) -> dict[str, int]:
+        """Scheduler-side counters since the last call (lease expirations, decodes lost with held blocks)."""
+        out = {k: v for k, v in self.counters.items() if v}
+        self.counters = dict.fromkeys(self.counters, 0)
+        return out
 
     def _fail_dsts(self, src: _Source, reason: str) -> None:
         for d in src.dsts:
@@ -505,6 +603,7 @@ class SchedulerSide:
 
     def _decode_finished(self, request: Any) -> None:
         rid = request.request_id
+        self.wanted.pop(rid, None)
         rec = self.recvs.pop(rid, None)
         if rec is not None:  # aborted while waiting for its KV
             self._recv_abort.append(rid)
@@ -517,6 +616,21 @@ class SchedulerSide:
                 self._outgoing[addr].append({"type": "cancel", "xfer": str(params["kvt_xfer"]), "seqs": [],
                                              "count": 1, "mode": "push"})
         self.consumed.discard(rid)
+
+    def _renew(self, now: float) -> None:
+        """Every lease/3 (the prefill's lease, from its welcome), renew the transfers still wanted."""
+        by_addr: dict[tuple[str, int], set[str]] = defaultdict(set)
+        for xfer, addr in self.wanted.values():
+            by_addr[addr].add(xfer)
+        if not by_addr:
+            return
+        lease = min([self.settings.lease] + [c.peer_lease for a in by_addr if (c := self.clients.get(a)) is not None
+                                             and c.peer_lease])
+        if now - self._last_renew < lease / 3:
+            return
+        self._last_renew = now
+        for addr, xfers in by_addr.items():
+            self._outgoing[addr].append({"type": "renew", "xfers": sorted(xfers)})
 
     def _client(self, addr: tuple[str, int]) -> PeerClient:
         c = self.clients.get(addr)

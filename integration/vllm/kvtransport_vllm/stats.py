@@ -14,11 +14,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 COUNTERS = ("bytes_sent", "bytes_received", "puts", "puts_received", "failures", "transfers_sent",
-            "transfers_layerwise", "transfers_whole", "transfers_received", "transfer_failures")
+            "transfers_layerwise", "transfers_whole", "transfers_received", "transfer_failures",
+            "lease_expirations", "decode_disconnects", "prefill_disconnects")
 
 
 class KVTransportStats(KVConnectorStats):
-    """Per-interval counters from every worker: bytes, puts, transfers, transfer times, failures, backend, paths.
+    """Per-interval counters from every worker (bytes, puts, transfers, transfer times, failures, backend,
+    paths) and from the scheduler (lease expirations, lost peers).
 
     ``data`` holds ints for COUNTERS, ``transfer_times`` (seconds, one per landed request), and ``backend`` /
     ``paths`` (lists of names). Aggregation sums counters and unions the names.
@@ -68,6 +70,9 @@ class KVTransportPromMetrics(KVConnectorPromMetrics):
             "transfers_whole": "requests sent after the forward (destination known late, or pull)",
             "transfers_received": "requests whose KV fully landed",
             "transfer_failures": "requests whose KV transfer failed or timed out",
+            "lease_expirations": "prefill requests whose held blocks were freed after the lease expired",
+            "decode_disconnects": "prefill requests given up because their decode's side channel went away",
+            "prefill_disconnects": "decode requests failed because their prefill's side channel went away",
         }
         self.counters: dict[str, dict[int, Any]] = {}
         for key, doc in docs.items():

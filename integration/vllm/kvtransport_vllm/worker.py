@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,7 @@ from kvtransport import KVLayout, KVTransportError, Peer
 
 from .config import ConnectorSettings
 from .metadata import Push, SendFailure, StepPlan
+from .scheduler import PREFILL_LOST
 
 log = logging.getLogger("vllm.kvtransport")
 
@@ -215,6 +216,8 @@ class WorkerSide:
         self._failed_recv: set[str] = set()
         self._times: list[float] = []
         self._failures = 0
+        self._lost = 0  # receives failed because their prefill went away
+        self._reported: OrderedDict[str, None] = OrderedDict()  # receives already ended (landed/fenced): bounded
         self._last: dict[str, Any] = {}
         self._pending_send_failures: list[SendFailure] = []
         self._fences: queue.Queue[tuple[str, bool] | None] = queue.Queue()
@@ -258,12 +261,14 @@ class WorkerSide:
                 for rid, timeout in plan.recv_start.items():
                     self._waiting[rid] = (now, now + timeout)
                 for rid in plan.recv_abort:
-                    if self._waiting.pop(rid, None) is not None or rid in self._early:
+                    if self._waiting.pop(rid, None) is not None or (rid in self._early and rid not in self._reported):
                         self._early.pop(rid, None)
                         self._fence(rid, failed=False)
                 for rid, reason in plan.recv_fail.items():
                     if self._waiting.pop(rid, None) is not None:
                         log.warning("kvtransport: KV for %s will not come: %s", rid, reason)
+                        if reason.startswith(PREFILL_LOST):
+                            self._lost += 1
                         self._early.pop(rid, None)
                         self._fence(rid, failed=True)
 
@@ -315,6 +320,8 @@ class WorkerSide:
         with self._lock:
             for seq in self.cm.poll():
                 rid = str(seq)
+                if rid in self._reported:  # already ended (e.g. failed by the scheduler first): report once
+                    continue
                 if rid in self._waiting:
                     self._finish(rid, now)
                 else:
@@ -337,9 +344,12 @@ class WorkerSide:
         try:
             self.cm.wait(rid, timeout=0)
             self._done_recv.add(rid)
+            self._ended(rid)
             self._times.append(now - start)
         except KVTransportError as exc:
             log.warning("kvtransport: KV transfer for %s failed: %s", rid, exc)
+            if isinstance(exc, kvtransport.PeerDisconnected):
+                self._lost += 1
             self._fence(rid, failed=True)
             return
         self.cm.release(rid)
@@ -349,7 +359,14 @@ class WorkerSide:
         ``CommManager.abort`` tells every sender to stop and waits for their confirmation, off this thread."""
         if failed:
             self._failures += 1
+        self._ended(rid)
         self._fences.put((rid, failed))
+
+    def _ended(self, rid: str) -> None:
+        """Remember that ``rid`` was (or is being) reported, so that a late poll result does not report it again."""
+        self._reported[rid] = None
+        while len(self._reported) > 4096:
+            self._reported.popitem(last=False)
 
     def _fence_loop(self) -> None:
         while True:
@@ -397,6 +414,7 @@ class WorkerSide:
         out["transfers_received"] = len(times)
         out["transfer_times"] = [round(t, 6) for t in times]
         out["transfer_failures"], self._failures = self._failures, 0
+        out["prefill_disconnects"], self._lost = self._lost, 0
         out["backend"] = [self.cm.backend]
         out["paths"] = list(s.get("paths", []))
         return out
