@@ -17,12 +17,42 @@ FILL = 0x5A
 """Byte the sender's buffers hold; the receiver spot-checks that it arrived."""
 
 
-def load1() -> float | None:
-    """The 1-minute load average when the row was taken (how busy the machine was; None if unknown)."""
+def busy() -> dict[str, float | None]:
+    """How busy the machine was when a row was taken: 1-minute load average and CPU pressure (PSI
+    ``some avg10``: % of the last 10 s in which some runnable task waited for a CPU). None if unknown."""
     try:
-        return float(os.getloadavg()[0])
+        load: float | None = float(os.getloadavg()[0])
     except (AttributeError, OSError):
+        load = None
+    return {"load1": load, "cpu_psi10": cpu_pressure()}
+
+
+def cpu_pressure() -> float | None:
+    """``/proc/pressure/cpu`` some avg10 in percent, or None where the kernel has no PSI."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            for line in f:
+                if line.startswith("some"):
+                    return float(line.split("avg10=")[1].split()[0])
+    except (OSError, IndexError, ValueError):
+        pass
+    return None
+
+
+def cpu_idle(seconds: float) -> float | None:
+    """Fraction of CPU time idle over the next ``seconds`` (from /proc/stat; None where unavailable)."""
+    def snap() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]
+
+    try:
+        a = snap()
+        time.sleep(seconds)
+        b = snap()
+    except (OSError, ValueError, IndexError):
         return None
+    return (b[1] - a[1]) / max(1, b[0] - a[0])
 
 
 def now() -> float:
@@ -86,10 +116,22 @@ def set_bytes(view: Any, value: int) -> None:
 
 
 def done(result: dict[str, Any]) -> dict[str, Any]:
-    """A role's result with this process's peak resident memory added (``peak_rss_bytes``)."""
-    import resource
+    """A role's result with this process's peak resident memory added (``peak_rss_bytes``).
 
-    result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    Reads VmHWM (this process image only); ``ru_maxrss`` would include the parent's peak on Linux."""
+    peak = None
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    peak = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    if peak is None:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["peak_rss_bytes"] = peak
     return result
 
 

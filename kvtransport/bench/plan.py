@@ -82,8 +82,8 @@ def kv_reps(nbytes: int, smoke: bool, scale: float) -> int:
     """Timed repetitions of one KV request (after one warm-up)."""
     if smoke:
         return 1
-    base = 10 if nbytes <= 64 * MiB else 5 if nbytes <= 512 * MiB else 2
-    return max(1, round(base * scale))
+    base = 10 if nbytes <= 64 * MiB else 5 if nbytes <= 512 * MiB else 3
+    return max(2, round(base * scale))
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,7 @@ class Options:
     max_size: int = GiB
     reps_scale: float = 1.0
     layer_compute_ms: float | None = None  # None: measured matmul
-    overlap_budget_s: float = 30.0  # CPU: skip overlap cases whose emulated compute takes longer
+    overlap_budget_s: float = 45.0  # CPU: skip overlap cases whose emulated compute takes longer
     overlap_reps: int = 2
     latency_preset: str = "llama-3.1-8b"
     latency_seqs: int = 200

@@ -32,6 +32,15 @@ def annotate(rows: list[dict[str, Any]], ceiling: Any) -> None:
 
 
 # ====================================================================== tables
+BUSY_PSI = 50.0
+"""Rows taken while CPU pressure (PSI some avg10) exceeded this are marked ``*``: other work competed."""
+
+
+def _busy(r: dict[str, Any] | None) -> str:
+    psi = (r or {}).get("cpu_psi10")
+    return "*" if psi is not None and psi > BUSY_PSI else ""
+
+
 def _cell(r: dict[str, Any] | None) -> str:
     if r is None:
         return "-"
@@ -39,7 +48,7 @@ def _cell(r: dict[str, Any] | None) -> str:
     if g is None or not math.isfinite(g):
         return "n/a"
     text = f"{g:.3g}" if g < 100 else f"{g:.0f}"
-    return f"{text} ({p:.0f}%)" if p is not None else text
+    return (f"{text} ({p:.0f}%)" if p is not None else text) + _busy(r)
 
 
 def _us(s: float | None) -> str:
@@ -152,7 +161,8 @@ def summary_table(result: dict[str, Any]) -> Table:
                "kv median % ceil", "coalescing on/off", "overlap exposed %", "signal->wait p50 / p99"]
     note = ("GB/s are decimal (1e9 B/s). % ceil: of one contiguous copy of the same bytes measured in the same run. "
             "kv columns use coalescing on. overlap: transfer time still exposed after the last layer's compute, "
-            "as % of the serialized transfer.")
+            f"as % of the serialized transfer. *: measured while other work kept the CPUs busy "
+            f"(CPU pressure > {BUSY_PSI:.0f}%).")
     return Table("Summary (system x workload)", headers, out, note)
 
 
@@ -214,7 +224,7 @@ def overlap_table(result: dict[str, Any]) -> Table | None:
     for r in sorted(rows, key=lambda r: (r["system"], r["case"]["preset"], r["case"]["tokens"])):
         out.append([r["system"], r["case"]["preset"], fmt_tokens(r["case"]["tokens"]), fmt_bytes(r["bytes"]),
                     f"{r['num_layers']} x {_ms(r['compute_s_per_layer'])}", _ms(r["serialized_s"]),
-                    _ms(r["exposed_s"]), f"{r['exposed_pct']:.1f}%"])
+                    _ms(r["exposed_s"]), f"{r['exposed_pct']:.1f}%{_busy(r)}"])
     return Table("3. Layer-wise overlap (random block ids): transfer exposed after the last layer's compute",
                  ["system", "preset", "tokens", "bytes", "compute/layer", "serialized transfer", "exposed (median)",
                   "exposed %"], out,
@@ -225,7 +235,7 @@ def latency_table(result: dict[str, Any]) -> Table | None:
     rows = [r for r in result["rows"] if r.get("workload") == "latency"]
     if not rows:
         return None
-    out = [[r["system"], r["case"]["preset"], str(r["case"]["seqs"]), fmt_bytes(r["bytes"]), _us(r["median_s"]),
+    out = [[r["system"], r["case"]["preset"], str(r["case"]["seqs"]), fmt_bytes(r["bytes"]), _us(r["median_s"]) + _busy(r),
             _us(r["p99_s"]), _us(r.get("request_median_s"))] for r in rows]
     return Table("4. Completion latency: signal -> receiver's wait returns (one-block sequences)",
                  ["system", "preset", "sequences", "request bytes", "median", "p99", "whole request (median)"], out,

@@ -10,6 +10,7 @@ and is dropped. Sequence ids are never reused within a manager (released ids are
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from typing import Any
@@ -17,10 +18,10 @@ from typing import Any
 from .common import (
     FILL,
     alloc,
+    busy,
     done,
     gbps,
     is_filled,
-    load1,
     make_cache,
     now,
     progress,
@@ -86,7 +87,7 @@ def sweep_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
             d = _durations(link.recv_value(), t1s, 1)
             st = summarize(d)
             row = {"workload": "sweep", "case": {"size": size}, "bytes": size, "samples_s": d, **st,
-                   "gbps": gbps(size, st["median_s"]), "load1": load1(), "verified": is_filled(arrays[i], FILL)}
+                   "gbps": gbps(size, st["median_s"]), **busy(), "verified": is_filled(arrays[i], FILL)}
             rows.append(row)
             progress(cfg, i, f"{cfg['label']} sweep {_fmt(size)}: {row['gbps']:.3g} GB/s, "
                      f"median {st['median_s'] * 1e6:.0f} us")
@@ -135,7 +136,13 @@ class _CacheHolder:
         return self.cache
 
 
+def _mode(coalesce: bool) -> str:
+    return "on" if coalesce else "off"
+
+
 def kv_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Per shape: one manager per coalescing mode, both on one cache; repetitions alternate between the
+    modes so that a change in machine load hits both alike (the on/off ratio is what the case is for)."""
     use_device(cfg["recv_device"])
     from .plan import block_ids
 
@@ -145,29 +152,38 @@ def kv_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     for g in cfg["groups"]:
         shape = g["shape"]
         cache = holder.get(shape)
-        with _open(cache.layout, cfg, g["coalesce"]) as cm:
-            link.publish(cm.metadata())
+        modes = [_mode(c) for c in g["coalesce"]]
+        with contextlib.ExitStack() as stack:
+            cms = {}
+            for c in g["coalesce"]:
+                cms[_mode(c)] = stack.enter_context(_open(cache.layout, cfg, c))
+                link.publish(cms[_mode(c)].metadata())
             for case in g["cases"]:
                 _, dst = block_ids(case["pattern"], shape["request_blocks"], shape["pool_blocks"], cfg["seed"])
-                last = shape["num_layers"] - 1
-                probes = [_check_piece(cache, 0, dst[0]), _check_piece(cache, last, dst[-1])]
-                for p in probes:
-                    set_bytes(p, 0)
-                sync(cfg["recv_device"])
-                seqs = [f"kv{case['index']}-{r}" for r in range(1 + case["reps"])]
-                t1s = _recv_reps(link, cm, seqs, cfg["timeout"])
-                d = _durations(link.recv_value(), t1s, 1)
-                st = summarize(d)
+                probes = [_check_piece(cache, 0, dst[0]), _check_piece(cache, shape["num_layers"] - 1, dst[-1])]
+                t1s: dict[str, list[float]] = {m: [] for m in modes}
+                ok = dict.fromkeys(modes, True)
+                for r in range(1 + case["reps"]):
+                    for m in modes:
+                        for p in probes:
+                            set_bytes(p, 0)
+                        sync(cfg["recv_device"])
+                        t1s[m] += _recv_reps(link, cms[m], [f"kv{case['index'][m]}-{r}"], cfg["timeout"])
+                        ok[m] = ok[m] and all(is_filled(p, FILL) for p in probes)
+                t0s = link.recv_value()
                 nbytes = shape["request_bytes"]
-                row = {"workload": "kv", "case": {"preset": shape["preset"], "tokens": shape["tokens"],
-                                                  "ids": case["pattern"], "coalesce": g["coalesce"]},
-                       "bytes": nbytes, "runs_per_layer": case["runs"], "samples_s": d, **st,
-                       "gbps": gbps(nbytes, st["median_s"]), "load1": load1(), "verified": all(is_filled(p, FILL) for p in probes)}
-                rows.append(row)
-                progress(cfg, case["index"], f"{cfg['label']} kv {shape['preset']} {_tok(shape['tokens'])} "
-                         f"{case['pattern']} coalesce={'on' if g['coalesce'] else 'off'}: {row['gbps']:.3g} GB/s")
+                for m in modes:
+                    d = _durations(t0s[m], t1s[m], 1)
+                    st = summarize(d)
+                    row = {"workload": "kv", "case": {"preset": shape["preset"], "tokens": shape["tokens"],
+                                                      "ids": case["pattern"], "coalesce": m == "on"},
+                           "bytes": nbytes, "runs_per_layer": case["runs"][m], "samples_s": d, **st,
+                           "gbps": gbps(nbytes, st["median_s"]), **busy(), "verified": ok[m]}
+                    rows.append(row)
+                    progress(cfg, case["index"][m], f"{cfg['label']} kv {shape['preset']} {_tok(shape['tokens'])} "
+                             f"{case['pattern']} coalesce={m}: {row['gbps']:.3g} GB/s")
             link.barrier(f"g-end-{g['index']}")
-            stats.append(cm.stats())
+            stats.append(cms[modes[0]].stats())
     return done({"rows": rows, "stats": stats[-1] if stats else {}})
 
 
@@ -180,22 +196,30 @@ def kv_sender(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     for g in cfg["groups"]:
         shape = g["shape"]
         cache = holder.get(shape)
-        with _open(cache.layout, cfg, g["coalesce"]) as cm:
-            peer = cm.connect(link.peer_metadata())
-            path = peer.path
+        modes = [_mode(c) for c in g["coalesce"]]
+        with contextlib.ExitStack() as stack:
+            cms, peers = {}, {}
+            for c in g["coalesce"]:
+                m = _mode(c)
+                cms[m] = stack.enter_context(_open(cache.layout, cfg, c))
+                peers[m] = cms[m].connect(link.peer_metadata())
+                path = peers[m].path
             for case in g["cases"]:
                 src, dst = block_ids(case["pattern"], shape["request_blocks"], shape["pool_blocks"], cfg["seed"])
-                t0s = []
+                t0s: dict[str, list[float]] = {m: [] for m in modes}
                 for r in range(1 + case["reps"]):
-                    seq = f"kv{case['index']}-{r}"
-                    link.barrier(seq)
-                    t0s.append(now())
-                    for layer in range(shape["num_layers"]):
-                        cm.put_layer(peer, seq, layer, src, dst)
-                    cm.signal(peer, seq)
-                    cm.flush(peer)
+                    for m in modes:
+                        cm, peer = cms[m], peers[m]
+                        seq = f"kv{case['index'][m]}-{r}"
+                        link.barrier(seq)
+                        t0s[m].append(now())
+                        for layer in range(shape["num_layers"]):
+                            cm.put_layer(peer, seq, layer, src, dst)
+                        cm.signal(peer, seq)
+                        cm.flush(peer)
                 link.send_value(t0s)
-            cm.flush(peer)
+            for m in modes:
+                cms[m].flush(peers[m])
             link.barrier(f"g-end-{g['index']}")
     return done({"path": path})
 
@@ -266,9 +290,16 @@ class _Compute:
         return float(t_e0 + e0.elapsed_time(mark) / 1e3)
 
 
-def _overlap_modes(g: dict[str, Any]) -> list[tuple[str, int, int]]:
-    """(mode, timed reps, warm-ups): the serialized runs warm the link up, so layer-wise needs none."""
-    return [("serialized", g["serial_reps"], 1), ("layerwise", g["reps"], 0)]
+def _overlap_schedule(g: dict[str, Any]) -> list[tuple[str, int, bool]]:
+    """(mode, rep, warm-up?) in run order: one serialized warm-up, then serialized and layer-wise
+    repetitions alternating, so that a change in machine load hits both alike."""
+    out = [("serialized", 0, True)]
+    for r in range(max(g["serial_reps"], g["reps"])):
+        if r < g["serial_reps"]:
+            out.append(("serialized", r + 1, False))
+        if r < g["reps"]:
+            out.append(("layerwise", r, False))
+    return out
 
 
 def overlap_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -278,14 +309,24 @@ def overlap_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     for g in cfg["groups"]:
         shape = g["shape"]
         cache = holder.get(shape)
+        schedule = _overlap_schedule(g)
         with _open(cache.layout, cfg) as cm:
             link.publish(cm.metadata())
-            result: dict[str, Any] = {}
-            for mode, reps, warm in _overlap_modes(g):
-                seqs = [f"ov{g['index']}-{mode}-{r}" for r in range(warm + reps)]
-                t1s = _recv_reps(link, cm, seqs, cfg["timeout"])
-                result[mode] = _durations(link.recv_value(), t1s, warm)
+            t1s = []
+            for m, r, _ in schedule:  # as a decode worker would: layer by layer, then the whole request
+                seq = f"ov{g['index']}-{m}-{r}"
+                link.barrier(seq)
+                for layer in range(shape["num_layers"]):
+                    cm.wait_layer(seq, layer, timeout=cfg["timeout"])
+                cm.wait(seq, timeout=cfg["timeout"])
+                t1s.append(now())
+                cm.release(seq)
+            t0s = link.recv_value()
             link.barrier(f"ov-end-{g['index']}")
+        result: dict[str, list[float]] = {"serialized": [], "layerwise": []}
+        for (m, _, warm), t0, t1 in zip(schedule, t0s, t1s, strict=True):
+            if not warm:
+                result[m].append(t1 - t0)
         ser = summarize(result["serialized"])
         lay = summarize(result["layerwise"])
         c = g["compute_s"]
@@ -296,7 +337,7 @@ def overlap_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
                "samples_exposed_s": result["layerwise"], "median_s": ser["median_s"],
                "gbps": gbps(shape["request_bytes"], ser["median_s"]),
                "exposed_pct": 100.0 * lay["median_s"] / ser["median_s"] if ser["median_s"] > 0 else float("nan"),
-               "load1": load1()}
+               **busy()}
         rows.append(row)
         progress(cfg, g["index"], f"{cfg['label']} overlap {shape['preset']} {_tok(shape['tokens'])}: compute "
                  f"{c * 1e3:.3g} ms/layer, serialized {ser['median_s'] * 1e3:.1f} ms, exposed "
@@ -305,6 +346,8 @@ def overlap_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def overlap_sender(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Serialized: the puts alone (all compute happened before). Layer-wise: compute, put, signal per layer;
+    the stamp is the end of the last layer's compute, so ``t1 - stamp`` is the exposed transfer."""
     use_device(cfg["send_device"])
     from .plan import block_ids
 
@@ -317,19 +360,17 @@ def overlap_sender(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
         nl = shape["num_layers"]
         with _open(cache.layout, cfg) as cm:
             peer = cm.connect(link.peer_metadata())
-            for mode, reps, warm in _overlap_modes(g):
-                stamps = []
-                for r in range(warm + reps):
-                    seq = f"ov{g['index']}-{mode}-{r}"
-                    link.barrier(seq)
-                    if mode == "serialized":  # all compute happened before: time the puts alone
-                        stamps.append(now())
-                        for layer in range(nl):
-                            cm.put_layer(peer, seq, layer, src, dst)
-                            cm.signal_layer(peer, seq, layer)
-                        cm.signal(peer, seq)
-                        cm.flush(peer)
-                        continue
+            stamps = []
+            for mode, r, _ in _overlap_schedule(g):
+                seq = f"ov{g['index']}-{mode}-{r}"
+                link.barrier(seq)
+                if mode == "serialized":
+                    stamps.append(now())
+                    for layer in range(nl):
+                        cm.put_layer(peer, seq, layer, src, dst)
+                        cm.signal_layer(peer, seq, layer)
+                    cm.signal(peer, seq)
+                else:
                     token = compute.start()
                     mark = None
                     for layer in range(nl):
@@ -340,9 +381,8 @@ def overlap_sender(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
                         cm.signal_layer(peer, seq, layer)
                     cm.signal(peer, seq)
                     stamps.append(compute.end_time(token, mark))
-                    cm.flush(peer)
-                link.send_value(stamps)
-            cm.flush(peer)
+                cm.flush(peer)
+            link.send_value(stamps)
             link.barrier(f"ov-end-{g['index']}")
     return done({})
 
@@ -365,7 +405,7 @@ def latency_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     rq = summarize(req)
     row = {"workload": "latency", "case": {"preset": shape["preset"], "blocks": 1, "seqs": n},
            "bytes": shape["num_layers"] * shape["piece_bytes"], **st, "samples_s": sig,
-           "request_median_s": rq["median_s"], "request_p99_s": rq["p99_s"], "load1": load1()}
+           "request_median_s": rq["median_s"], "request_p99_s": rq["p99_s"], **busy()}
     progress(cfg, 0, f"{cfg['label']} latency signal->wait over {n} one-block sequences: median "
              f"{st['median_s'] * 1e6:.0f} us, p99 {st['p99_s'] * 1e6:.0f} us (whole request {rq['median_s'] * 1e6:.0f} us)")
     return done({"rows": [row]})

@@ -58,12 +58,15 @@ def parse_args(argv: list[str] | None) -> Options:
     ap.add_argument("--layer-compute-ms", type=float, default=None,
                     help="overlap: per-layer compute time (default: measured matmul [tokens, hidden] @ [hidden, hidden/tp])")
     ap.add_argument("--overlap-budget-s", type=float, default=None,
-                    help="overlap: skip cases whose emulated compute exceeds this many seconds (default 30 on CPU, none on CUDA)")
+                    help="overlap: skip cases whose emulated compute exceeds this many seconds (default 45 on CPU, none on CUDA)")
     ap.add_argument("--overlap-reps", type=int, default=2, help="overlap: timed layer-wise prefills per case")
     ap.add_argument("--latency-preset", default="llama-3.1-8b")
     ap.add_argument("--latency-seqs", type=int, default=200, help="latency: one-block sequences")
     ap.add_argument("--mem-fraction", type=float, default=0.6, help="share of available memory the two roles may use")
     ap.add_argument("--timeout", type=float, default=120.0, help="bound of every wait inside a role, seconds")
+    ap.add_argument("--quiet-wait-s", type=float, default=None,
+                    help="before each pair of processes, wait up to this long for the CPUs to be >= 70%% idle "
+                         "(default 120 on CPU, 0 with --smoke or on CUDA); waits are recorded in the JSON")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-nixl", dest="nixl", action="store_false", help="skip the NIXL baseline even when installed")
     ap.add_argument("--from-json", default=None, help="re-render table and plots from an earlier results.json; measure nothing")
@@ -80,11 +83,13 @@ def parse_args(argv: list[str] | None) -> Options:
         patterns=tuple(p.strip() for p in a.patterns.split(",") if p.strip()),
         min_size=parse_size(a.min_size), max_size=parse_size(a.max_size), reps_scale=a.reps_scale,
         layer_compute_ms=a.layer_compute_ms,
-        overlap_budget_s=a.overlap_budget_s if a.overlap_budget_s is not None else (30.0 if device == "cpu" else 1e9),
+        overlap_budget_s=a.overlap_budget_s if a.overlap_budget_s is not None else (45.0 if device == "cpu" else 1e9),
         overlap_reps=a.overlap_reps, latency_preset=a.latency_preset, latency_seqs=a.latency_seqs,
         mem_fraction=a.mem_fraction, timeout=a.timeout, seed=a.seed, nixl=a.nixl,
     )
     opts.extra["from_json"] = a.from_json
+    opts.extra["quiet_wait_s"] = (a.quiet_wait_s if a.quiet_wait_s is not None
+                                  else 0.0 if (a.smoke or device == "cuda") else 120.0)
     for w in opts.workloads:
         if w not in WORKLOADS:
             ap.error(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
@@ -126,6 +131,7 @@ class Bench:
         self.errors: list[dict[str, str]] = []
         self.paths: dict[str, str] = {}
         self.rss: list[dict[str, Any]] = []
+        self.ceiling_quiet: tuple[float, bool] = (0.0, True)
         self.counter = 0
         self.total = 0
         if opts.device == "cuda":
@@ -265,11 +271,13 @@ class Bench:
         from ..testing.harness import HarnessError, run_pair
 
         timeout = 120.0 + 3.0 * est_s
+        waited, quiet = self.wait_quiet(f"{system} {workload}")
         try:
             res = run_pair(f"kvtransport.bench.{module}.{role}_receiver", f"kvtransport.bench.{module}.{role}_sender",
                            cfg, timeout=timeout)
             self.rss.append({"system": system, "workload": workload, "receiver_bytes": res[0].get("peak_rss_bytes"),
-                             "sender_bytes": res[1].get("peak_rss_bytes")})
+                             "sender_bytes": res[1].get("peak_rss_bytes"), "waited_for_quiet_s": waited,
+                             "started_quiet": quiet})
             return res
         except HarnessError as exc:
             text = str(exc)
@@ -277,6 +285,29 @@ class Bench:
             first = text.strip().splitlines()
             self.say(f"ERROR {system} {workload}: {first[-1] if first else text}"[:400])
             return None
+
+    def wait_quiet(self, what: str) -> tuple[float, bool]:
+        """Wait (up to --quiet-wait-s) until two 2-second windows in a row see the CPUs >= 70% idle: other
+        work on a shared machine distorts every figure. Returns (seconds waited, whether it got quiet)."""
+        from .common import cpu_idle
+
+        limit = float(self.opts.extra.get("quiet_wait_s") or 0.0)
+        if limit <= 0:
+            return 0.0, True
+        t0, ok, said = time.time(), 0, False
+        while ok < 2:
+            idle = cpu_idle(2.0)
+            if idle is None:
+                return 0.0, True
+            ok = ok + 1 if idle >= 0.7 else 0
+            waited = time.time() - t0
+            if ok < 2 and waited > limit:
+                self.say(f"machine still busy after {waited:.0f} s (CPUs {idle:.0%} idle); running {what} anyway")
+                return waited, False
+            if ok == 0 and not said and waited > 4:
+                self.say(f"waiting for other work on this machine to calm down before {what} (CPUs {idle:.0%} idle)")
+                said = True
+        return time.time() - t0, True
 
     def add_rows(self, rows: list[dict[str, Any]], system: str, **extra: Any) -> None:
         for r in rows:
@@ -300,6 +331,8 @@ class Bench:
 
         sizes = self.plan_sweep() if "sweep" in o.workloads else []
         kv = self.plan_kv() if "kv" in o.workloads else []
+        if "overlap" in o.workloads and o.layer_compute_ms is None:
+            self.wait_quiet("measuring the per-layer compute")
         overlap = self.plan_overlap() if "overlap" in o.workloads else []
         lat_shape = kv_shape(o.latency_preset, 16 * 64)  # pool of 64 one-block sequences
         lat_shape = KVShape(lat_shape.preset, 16, lat_shape.num_layers, lat_shape.piece_bytes, 1, 64)
@@ -317,6 +350,7 @@ class Bench:
 
         ceiling = Ceiling(o.device, cap=GiB if o.device == "cpu" else 2 * GiB, samples=3 if o.smoke else 5)
         all_sizes = sorted(set(raw_sizes) | ({lat_shape.request_bytes} if "latency" in o.workloads else set()))
+        self.ceiling_quiet = self.wait_quiet("the ceiling")
         self.say(f"ceiling: {ceiling.method} at {len(all_sizes)} sizes")
         for s in all_sizes:
             ceiling.measure(s)
@@ -344,12 +378,13 @@ class Bench:
             "backends": listing,
             "paths": self.paths,
             "nixl": nixl_status,
-            "ceiling": {"method": ceiling.method, "by_size": {str(k): v for k, v in sorted(ceiling.cache.items())}},
+            "ceiling": {"method": ceiling.method, "by_size": {str(k): v for k, v in sorted(ceiling.cache.items())},
+                        "waited_for_quiet_s": self.ceiling_quiet[0], "started_quiet": self.ceiling_quiet[1]},
             "memory_budget": {"bytes": self.budget, "note": self.budget_note},
             "rows": self.rows,
             "skipped": [s.to_dict() for s in self.skips],
             "errors": self.errors,
-            "peak_rss": self.rss,
+            "pairs": self.rss,
             "elapsed_s": time.time() - self.t0,
             "loadavg_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         }
@@ -373,15 +408,14 @@ class Bench:
             k = 0
             est = 0.0
             for gi, (shape, cases) in enumerate(kv):
-                for coal in (True, False):
-                    cs: list[dict[str, Any]] = []
-                    for pattern, reps in cases:
-                        src, dst = block_ids(pattern, shape.request_blocks, shape.pool_blocks, o.seed)
-                        cs.append({"index": k, "pattern": pattern, "reps": reps, "runs": len(coalesce(src, dst))})
-                        est += (reps + 1) * (shape.request_bytes / 3e8 + 0.05)
-                        k += 1
-                    groups.append({"index": 2 * gi + (0 if coal else 1), "shape": shape.to_dict(), "coalesce": coal,
-                                   "cases": cs})
+                cs: list[dict[str, Any]] = []
+                for pattern, reps in cases:
+                    src, dst = block_ids(pattern, shape.request_blocks, shape.pool_blocks, o.seed)
+                    cs.append({"index": {"on": k, "off": k + 1}, "pattern": pattern, "reps": reps,
+                               "runs": {"on": len(coalesce(src, dst)), "off": len(src)}})
+                    est += 2 * (reps + 1) * (shape.request_bytes / 3e8 + 0.05)
+                    k += 2
+                groups.append({"index": gi, "shape": shape.to_dict(), "coalesce": [True, False], "cases": cs})
             cfg = self._cfg(b, k, backend=b, groups=groups)
             res = self.pair("roles", "kv", cfg, est, system, "kv")
             if res:
