@@ -188,7 +188,7 @@ class Options:
     max_size: int = GiB
     reps_scale: float = 1.0
     layer_compute_ms: float | None = None  # None: measured matmul
-    overlap_budget_s: float = 45.0  # CPU: skip overlap cases whose emulated compute takes longer
+    overlap_budget_s: float = 60.0  # CPU: skip overlap cases whose emulated compute takes longer
     overlap_reps: int = 2
     latency_preset: str = "llama-3.1-8b"
     latency_seqs: int = 200

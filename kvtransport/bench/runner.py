@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None) -> Options:
     ap.add_argument("--layer-compute-ms", type=float, default=None,
                     help="overlap: per-layer compute time (default: measured matmul [tokens, hidden] @ [hidden, hidden/tp])")
     ap.add_argument("--overlap-budget-s", type=float, default=None,
-                    help="overlap: skip cases whose emulated compute exceeds this many seconds (default 45 on CPU, none on CUDA)")
+                    help="overlap: skip cases whose emulated compute exceeds this many seconds (default 60 on CPU, none on CUDA)")
     ap.add_argument("--overlap-reps", type=int, default=2, help="overlap: timed layer-wise prefills per case")
     ap.add_argument("--latency-preset", default="llama-3.1-8b")
     ap.add_argument("--latency-seqs", type=int, default=200, help="latency: one-block sequences")
@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None) -> Options:
         patterns=tuple(p.strip() for p in a.patterns.split(",") if p.strip()),
         min_size=parse_size(a.min_size), max_size=parse_size(a.max_size), reps_scale=a.reps_scale,
         layer_compute_ms=a.layer_compute_ms,
-        overlap_budget_s=a.overlap_budget_s if a.overlap_budget_s is not None else (45.0 if device == "cpu" else 1e9),
+        overlap_budget_s=a.overlap_budget_s if a.overlap_budget_s is not None else (60.0 if device == "cpu" else 1e9),
         overlap_reps=a.overlap_reps, latency_preset=a.latency_preset, latency_seqs=a.latency_seqs,
         mem_fraction=a.mem_fraction, timeout=a.timeout, seed=a.seed, nixl=a.nixl,
     )

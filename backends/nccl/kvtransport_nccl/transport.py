@@ -44,6 +44,8 @@ from kvtransport.errors import (
 from kvtransport.layout import KVLayout, LayerRegion
 
 STRATEGIES = ("pack", "per_run")
+MAX_IN_FLIGHT = 8
+"""Sends a link keeps in flight before put waits for the oldest (bounds staging memory)."""
 KNOBS = {"NCCL_SOCKET_IFNAME": "{ifname}", "GLOO_SOCKET_IFNAME": "{ifname}"}
 
 
@@ -253,6 +255,11 @@ class _TorchOutLink(OutboundLink):
 
     def _reap(self) -> None:
         while self.pending and self.pending[0][0].is_completed():
+            self._recycle(self.pending.popleft()[1])
+        # gloo reports a send complete only once it was waited on: bound what is in flight, or staging
+        # buffers are never reused and memory grows with every request until flush
+        while len(self.pending) >= MAX_IN_FLIGHT:
+            _wait(self.pending[0][0], self.tr.settings.timeout, "send to peer")
             self._recycle(self.pending.popleft()[1])
 
     def _recycle(self, buf: torch.Tensor) -> None:
