@@ -115,21 +115,22 @@ class CommManager:
     # ================================================================ public API
     def metadata(self) -> bytes:
         """What a peer needs to ``connect`` to us (versioned bytes, no pickle). Non-blocking."""
-        return wire.encode_metadata(
-            {
-                "instance": self.instance,
-                "backend": self.backend,
-                "host": self.host,
-                "port": self.port,
-                "pid": os.getpid(),
-                "capacity": self.settings.capacity,
-                "layout_hash": self.layout.compat_hash(),
-                "layout_signature": self.layout.signature(),
-                "layout": self.layout.to_wire(),
-                "transport": self.transport.describe(),
-                "auth_required": self.settings.secret is not None,
-            }
-        )
+        return wire.encode_metadata(self._metadata_fields())
+
+    def _metadata_fields(self) -> dict[str, Any]:
+        return {
+            "instance": self.instance,
+            "backend": self.backend,
+            "host": self.host,
+            "port": self.port,
+            "pid": os.getpid(),
+            "capacity": self.settings.capacity,
+            "layout_hash": self.layout.compat_hash(),
+            "layout_signature": self.layout.signature(),
+            "layout": self.layout.to_wire(),
+            "transport": self.transport.describe(),
+            "auth_required": self.settings.secret is not None,
+        }
 
     def connect(self, peer_metadata: bytes, *, timeout: float | None = None) -> Peer:
         """Open a link for putting into the peer. Blocking, bounded by ``timeout`` (default: settings).
@@ -157,7 +158,7 @@ class CommManager:
                 raise ProtocolError(f"expected CHALLENGE from {label}, got {kind.name}")
             nonce = bytes.fromhex(str(wire.parse_json_payload(payload, "CHALLENGE").get("nonce", "")))
             dialer = self.transport.dial(info)
-            body = wire.json_payload({"metadata": _metadata_fields(self.metadata()), "request": dialer.request})
+            body = wire.json_payload({"metadata": self._metadata_fields(), "request": dialer.request})
             auth = wire.auth_tag(self.settings.secret, nonce, body) if self.settings.secret else None
             conn.send(FrameType.HELLO, wire.json_payload({"body": body.decode(), "auth": auth}))
             kind, payload = conn.recv(deadline)
@@ -452,10 +453,6 @@ class CommManager:
                     self._departed.popitem(last=False)
         if inbound.peer is not None:  # sequences expected from it (and not landed) fail now
             self._table.fail_peer(inbound.peer, PeerDisconnected(f"sender {inbound.peer} disconnected"))
-
-
-def _metadata_fields(data: bytes) -> dict[str, Any]:
-    return wire.decode_metadata(data)
 
 
 class _Inbound:

@@ -3,6 +3,16 @@ the conformance suite every backend adopts, and fault scenarios. Imports numpy/p
 
 from __future__ import annotations
 
+from typing import Any
+
+
+def pair_devices(cfg: dict[str, Any]) -> tuple[str, str]:
+    """(sender, receiver) devices of a two-process scenario: cpu/cpu, or cuda:0 -> cuda:1 (cuda:0 when only
+    one GPU is visible: two processes then share it)."""
+    if cfg.get("device", "cpu") == "cpu":
+        return "cpu", "cpu"
+    return "cuda:0", ("cuda:1" if gpu_count() > 1 else "cuda:0")
+
 
 def gpu_count() -> int:
     """CUDA devices visible to torch (0 without torch or CUDA); for skip conditions of GPU tests."""

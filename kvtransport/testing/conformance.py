@@ -32,6 +32,7 @@ from .. import (
     TransferTimeout,
 )
 from .. import open as kv_open
+from . import pair_devices
 from .cache import ORDERS, CacheSpec, host_copy, make_cache, verify_transfer
 from .faults import KILL_SPEC
 from .harness import RoleLink, run_pair
@@ -72,15 +73,6 @@ def plan_transfers(
     return plans
 
 
-def _devices(cfg: dict[str, Any]) -> tuple[str, str]:
-    dev = cfg.get("device", "cpu")
-    if dev == "cpu":
-        return "cpu", "cpu"
-    import torch
-
-    n = torch.cuda.device_count()
-    return "cuda:0", ("cuda:1" if n > 1 else "cuda:0")
-
 
 def _open(cfg: dict[str, Any], layout: Any, **extra: Any) -> Any:
     opts = dict(cfg.get("options", {}))
@@ -92,7 +84,7 @@ def _open(cfg: dict[str, Any], layout: Any, **extra: Any) -> Any:
 def fragmented_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
     spec = CacheSpec(**cfg["receiver_spec"])
     sender_spec = CacheSpec(**cfg["sender_spec"])
-    cache = make_cache(spec, _devices(cfg)[1])
+    cache = make_cache(spec, pair_devices(cfg)[1])
     plans = plan_transfers(cfg["seed"], sender_spec, spec, cfg["n_seqs"])
     with _open(cfg, cache.layout, capacity=max(cfg["n_seqs"], 1)) as cm:
         link.publish(cm.metadata())
@@ -118,7 +110,7 @@ def fragmented_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
 def fragmented_sender(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
     spec = CacheSpec(**cfg["sender_spec"])
     receiver_spec = CacheSpec(**cfg["receiver_spec"])
-    cache = make_cache(spec, _devices(cfg)[0], fill_seed=cfg["seed"])
+    cache = make_cache(spec, pair_devices(cfg)[0], fill_seed=cfg["seed"])
     plans = plan_transfers(cfg["seed"], spec, receiver_spec, cfg["n_seqs"])
     with _open(cfg, cache.layout) as cm:
         peer = cm.connect(link.peer_metadata())
@@ -137,7 +129,7 @@ def fragmented_sender(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
 
 # ============================================================== scenario: timeouts
 def timeout_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
-    cache = make_cache(CacheSpec(**cfg["receiver_spec"]), _devices(cfg)[1])
+    cache = make_cache(CacheSpec(**cfg["receiver_spec"]), pair_devices(cfg)[1])
     out: dict[str, Any] = {}
     with _open(cfg, cache.layout) as cm:
         link.publish(cm.metadata())
@@ -157,7 +149,7 @@ def timeout_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def timeout_sender(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
-    cache = make_cache(CacheSpec(**cfg["sender_spec"]), _devices(cfg)[0], fill_seed=1)
+    cache = make_cache(CacheSpec(**cfg["sender_spec"]), pair_devices(cfg)[0], fill_seed=1)
     with _open(cfg, cache.layout) as cm:
         cm.connect(link.peer_metadata())
         link.barrier("connected")
@@ -167,7 +159,7 @@ def timeout_sender(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
 
 # ============================================================== scenario: sender goes away mid-sequence
 def dropout_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
-    cache = make_cache(CacheSpec(**cfg["receiver_spec"]), _devices(cfg)[1])
+    cache = make_cache(CacheSpec(**cfg["receiver_spec"]), pair_devices(cfg)[1])
     with _open(cfg, cache.layout) as cm:
         link.publish(cm.metadata())
         cm.wait_layer("s", 0, timeout=WAIT)
@@ -184,7 +176,7 @@ def dropout_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
 
 def dropout_sender(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
     spec = CacheSpec(**cfg["sender_spec"])
-    cache = make_cache(spec, _devices(cfg)[0], fill_seed=2)
+    cache = make_cache(spec, pair_devices(cfg)[0], fill_seed=2)
     cm = _open(cfg, cache.layout)
     peer = cm.connect(link.peer_metadata())
     cm.put_layer(peer, "s", 0, [0, 1, 2], [3, 4, 5])
@@ -201,7 +193,7 @@ def dropout_sender(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
 
 # ============================================================== scenario: receiver goes away
 def vanish_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
-    cache = make_cache(CacheSpec(**cfg["receiver_spec"]), _devices(cfg)[1])
+    cache = make_cache(CacheSpec(**cfg["receiver_spec"]), pair_devices(cfg)[1])
     cm = _open(cfg, cache.layout)
     link.publish(cm.metadata())
     link.barrier("connected")
@@ -211,7 +203,7 @@ def vanish_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def vanish_sender(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
-    cache = make_cache(CacheSpec(**cfg["sender_spec"]), _devices(cfg)[0], fill_seed=3)
+    cache = make_cache(CacheSpec(**cfg["sender_spec"]), pair_devices(cfg)[0], fill_seed=3)
     with _open(cfg, cache.layout, timeout=10.0) as cm:
         peer = cm.connect(link.peer_metadata())
         link.barrier("connected")
@@ -232,7 +224,7 @@ def vanish_sender(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
 
 # ============================================================== scenario: incompatible layouts
 def mismatch_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
-    cache = make_cache(CacheSpec(**cfg["receiver_spec"]), _devices(cfg)[1])
+    cache = make_cache(CacheSpec(**cfg["receiver_spec"]), pair_devices(cfg)[1])
     with _open(cfg, cache.layout) as cm:
         link.publish(cm.metadata())
         link.barrier("tried")
@@ -242,7 +234,7 @@ def mismatch_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def mismatch_sender(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
-    cache = make_cache(CacheSpec(**cfg["sender_spec"]), _devices(cfg)[0], fill_seed=4)
+    cache = make_cache(CacheSpec(**cfg["sender_spec"]), pair_devices(cfg)[0], fill_seed=4)
     with _open(cfg, cache.layout) as cm:
         try:
             cm.connect(link.peer_metadata())
@@ -255,7 +247,7 @@ def mismatch_sender(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
 
 # ============================================================== scenario: slot exhaustion and release
 def slots_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
-    cache = make_cache(CacheSpec(**cfg["receiver_spec"]), _devices(cfg)[1])
+    cache = make_cache(CacheSpec(**cfg["receiver_spec"]), pair_devices(cfg)[1])
     out: dict[str, Any] = {}
     with _open(cfg, cache.layout, capacity=2) as cm:
         link.publish(cm.metadata())
@@ -284,7 +276,7 @@ def slots_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def slots_sender(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
-    cache = make_cache(CacheSpec(**cfg["sender_spec"]), _devices(cfg)[0], fill_seed=5)
+    cache = make_cache(CacheSpec(**cfg["sender_spec"]), pair_devices(cfg)[0], fill_seed=5)
     out: dict[str, Any] = {}
     with _open(cfg, cache.layout) as cm:
         peer = cm.connect(link.peer_metadata())
@@ -316,7 +308,7 @@ def slots_sender(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
 
 # ============================================================== scenario: shared secret
 def secret_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
-    cache = make_cache(CacheSpec(**cfg["receiver_spec"]), _devices(cfg)[1])
+    cache = make_cache(CacheSpec(**cfg["receiver_spec"]), pair_devices(cfg)[1])
     with _open(cfg, cache.layout, secret="s3cret") as cm:
         link.publish(cm.metadata())
         cm.wait("friend", timeout=WAIT)
@@ -325,7 +317,7 @@ def secret_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def secret_sender(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
-    cache = make_cache(CacheSpec(**cfg["sender_spec"]), _devices(cfg)[0], fill_seed=8)
+    cache = make_cache(CacheSpec(**cfg["sender_spec"]), pair_devices(cfg)[0], fill_seed=8)
     meta = link.peer_metadata()
     outcomes = []
     for secret in (None, "wrong"):

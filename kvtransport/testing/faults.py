@@ -19,20 +19,13 @@ from .. import (
     TransferTimeout,
 )
 from .. import open as kv_open
+from . import pair_devices
 from .cache import CacheSpec, make_cache, read_block, zero_block
 from .harness import RoleLink
 
 KILL_SPEC = CacheSpec(num_layers=2, num_blocks=64, heads=2, block_size=4, head_dim=16, itemsize=2, order="HND")
 STORM_SPEC = CacheSpec(num_layers=3, num_blocks=64, heads=1, block_size=4, head_dim=32, itemsize=2, order="NHD")
 BOUND = 30.0
-
-
-def _devices(cfg: dict[str, Any]) -> tuple[str, str]:
-    if cfg.get("device", "cpu") == "cpu":
-        return "cpu", "cpu"
-    import torch
-
-    return "cuda:0", ("cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
 
 
 def _kill(p: Any) -> None:
@@ -50,7 +43,7 @@ def _src_blocks(seq: int, k: int) -> list[int]:
 def storm_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
     n, window = cfg["storm_seqs"], 4
     rng = random.Random(cfg["seed"])
-    cache = make_cache(STORM_SPEC, _devices(cfg)[1])
+    cache = make_cache(STORM_SPEC, pair_devices(cfg)[1])
     expected = make_cache(STORM_SPEC, "cpu", fill_seed=cfg["seed"])
     free = list(range(STORM_SPEC.num_blocks))
     rng.shuffle(free)
@@ -110,7 +103,7 @@ def storm_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def storm_sender(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
-    cache = make_cache(STORM_SPEC, _devices(cfg)[0], fill_seed=cfg["seed"])
+    cache = make_cache(STORM_SPEC, pair_devices(cfg)[0], fill_seed=cfg["seed"])
     counts = {"sent": 0, "refused": 0, "cancelled": 0}
     with kv_open(cache.layout, backend=cfg["backend"], **dict(cfg.get("options", {}))) as cm:
         peer = cm.connect(link.peer_metadata())
@@ -145,7 +138,7 @@ def storm_sender(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
 
 # ============================================================== kills
 def _victim_sender(meta: bytes, cfg: dict[str, Any], plan: list[tuple[int, list[int], list[int]]], ready: Any) -> None:
-    cache = make_cache(CacheSpec(**cfg["spec"]), _devices(cfg)[0], fill_seed=cfg["seed"])
+    cache = make_cache(CacheSpec(**cfg["spec"]), pair_devices(cfg)[0], fill_seed=cfg["seed"])
     cm = kv_open(cache.layout, backend=cfg["backend"], **dict(cfg.get("options", {})))
     peer = cm.connect(meta)
     ready.set()
@@ -161,7 +154,7 @@ def _victim_sender(meta: bytes, cfg: dict[str, Any], plan: list[tuple[int, list[
 
 def _victim_receiver(cfg: dict[str, Any], conn: Any, fresh: list[tuple[int, int]] | None = None) -> None:
     spec = CacheSpec(**cfg["spec"])
-    cache = make_cache(spec, _devices(cfg)[1])
+    cache = make_cache(spec, pair_devices(cfg)[1])
     cm = kv_open(cache.layout, backend=cfg["backend"], **dict(cfg.get("options", {})))
     conn.send(cm.metadata())
     if fresh is None:
@@ -183,7 +176,7 @@ def kill_senders(cfg: dict[str, Any], rounds: int, per_round: int) -> dict[str, 
     spec = CacheSpec(**cfg["spec"])
     rng = random.Random(cfg["seed"])
     ctx = mp.get_context("spawn")
-    cache = make_cache(spec, _devices(cfg)[1])
+    cache = make_cache(spec, pair_devices(cfg)[1])
     expected = make_cache(spec, "cpu", fill_seed=cfg["seed"])
     out: dict[str, Any] = {"transfers": 0, "completed": 0, "failed": 0, "late_s": 0.0, "problems": [], "leaks": []}
     with kv_open(cache.layout, backend=cfg["backend"], **dict(cfg.get("options", {}))) as cm:
@@ -246,7 +239,7 @@ def kill_receivers(cfg: dict[str, Any], rounds: int, per_round: int) -> dict[str
     spec = CacheSpec(**cfg["spec"])
     rng = random.Random(cfg["seed"] + 1)
     ctx = mp.get_context("spawn")
-    cache = make_cache(spec, _devices(cfg)[0], fill_seed=cfg["seed"])
+    cache = make_cache(spec, pair_devices(cfg)[0], fill_seed=cfg["seed"])
     out: dict[str, Any] = {"transfers": 0, "ok": 0, "failed": 0, "late_s": 0.0, "problems": [], "leaks": []}
     with kv_open(cache.layout, backend=cfg["backend"], timeout=10.0, **dict(cfg.get("options", {}))) as cm:
         for rnd in range(rounds):
