@@ -57,6 +57,20 @@ class Availability:
     detail: Mapping[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class Finding:
+    """One preflight check of ``kvtransport doctor``: level ``ok``/``warn``/``fail``, what, and the fix."""
+
+    level: str
+    check: str
+    detail: str
+    fix: str = ""
+
+    def __str__(self) -> str:
+        tail = f"\n        fix: {self.fix}" if self.fix else ""
+        return f"[{self.level:>4}] {self.check}: {self.detail}{tail}"
+
+
 @dataclass(frozen=True)
 class PeerInfo:
     """What the generic layer knows about a peer when the backend is asked to link to it."""
@@ -168,6 +182,11 @@ class BackendSpec(ABC):
     @abstractmethod
     def probe(self) -> Availability:
         """Can this backend run here? Never raises; imports the backend's libraries."""
+
+    def doctor(self) -> list[Finding]:
+        """Backend-specific preflight findings for ``kvtransport doctor`` (build, devices, limits). Never
+        raises; called only when the backend's distribution is installed."""
+        return []
 
     @abstractmethod
     def create(self, layout: KVLayout, settings: Settings) -> Transport:

@@ -5,19 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-from dataclasses import dataclass
 
+from .backend import Finding
 
-@dataclass
-class Finding:
-    level: str  # ok | warn | fail
-    check: str
-    detail: str
-    fix: str = ""
-
-    def __str__(self) -> str:
-        tail = f"\n        fix: {self.fix}" if self.fix else ""
-        return f"[{self.level:>4}] {self.check}: {self.detail}{tail}"
+__all__ = ["Finding", "findings", "run"]
 
 
 def findings(backend: str | None = None, ifname: str | None = None) -> list[Finding]:
@@ -33,6 +24,7 @@ def findings(backend: str | None = None, ifname: str | None = None) -> list[Find
             out.append(Finding("warn", f"backend {row.name}", row.reason, row.install_hint))
         else:
             out.append(Finding("warn", f"backend {row.name}", "not installed", row.install_hint))
+    out.extend(_backend_findings())
     wanted = backend or os.environ.get("KV_TRANSPORT")
     if wanted and wanted != "auto":
         rows = {r.name: r for r in available_backends()}
@@ -61,6 +53,19 @@ def findings(backend: str | None = None, ifname: str | None = None) -> list[Find
     out.append(Finding("ok" if devs else "warn", "InfiniBand/RoCE devices", ", ".join(devs) or "none found",
                        "" if devs else "RDMA paths are unavailable; inter-host traffic will use TCP"))
     out.extend(_cuda_findings())
+    return out
+
+
+def _backend_findings() -> list[Finding]:
+    """Each installed backend's own checks (richest for mscclpp: build, IB, bootstrap)."""
+    from . import registry
+
+    out: list[Finding] = []
+    for name, spec in sorted(registry.specs().items()):
+        try:
+            out.extend(spec.doctor())
+        except Exception as exc:  # a broken plugin must not stop the doctor
+            out.append(Finding("warn", f"backend {name}", f"its checks failed: {type(exc).__name__}: {exc}"))
     return out
 
 

@@ -14,7 +14,7 @@ GROUP = "kvtransport.backends"
 KNOWN_BACKENDS = {
     "nccl": "pip install ./backends/nccl   (torch.distributed: NCCL for CUDA memory, gloo for host memory)",
     "ucx": "pip install ./backends/ucx     (UCX one-sided puts; pulls ucxx-cu12 / libucx wheels)",
-    "mscclpp": "not in this release yet (issue 4): it will need MSCCL++ built from source; use ucx for NVLink",
+    "mscclpp": "build MSCCL++ from upstream source, then pip install ./backends/mscclpp (backends/mscclpp/README.md)",
 }
 """Install hints for the project's own backends, shown when they are missing."""
 

@@ -7,19 +7,33 @@
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+# carried wheels: .whl/ (e.g. libucx-cu13) and .mscclpp/ (an MSCCL++ wheel the user built, plus blake3)
+wheels=$(ls .whl/*.whl .mscclpp/*.whl 2>/dev/null)
+if [ -n "$wheels" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-python3 -m pip install -q --no-index --no-build-isolation --no-deps -e . -e backends/nccl -e backends/ucx 2>&1 | tail -2
+# an MSCCL++ linked with a static libstdc++ crashes once torch is loaded: preload the shared one (see
+# backends/mscclpp/README.md); kvtransport refuses such a build without this
+lib=$(ls /tmp/site/mscclpp/lib/libmscclpp.so.0 2>/dev/null)
+if [ -n "$lib" ] && ! grep -q "libstdc++.so.6" "$lib"; then
+  export LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6)
+  echo "MSCCL++ links libstdc++ statically: LD_PRELOAD=$LD_PRELOAD"
+fi
+python3 -m pip install -q --no-index --no-build-isolation --no-deps -e . -e backends/nccl -e backends/ucx -e backends/mscclpp 2>&1 | tail -2
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m; } > "$OUT/machine.txt" 2>&1
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())" | tee -a "$OUT/machine.txt"
 python3 -m kvtransport.cli doctor > "$OUT/doctor.txt" 2>&1
+if [ -n "${GATE:-}" ]; then  # fail fast (device time is scarce): one demo of backend $GATE must pass first
+  timeout 90 python3 -m kvtransport.cli demo --device cuda --backend "$GATE" --pattern random > "$OUT/gate.txt" 2>&1 \
+    || { echo "gate demo with $GATE failed:"; tail -40 "$OUT/gate.txt"; exit 1; }
+  grep -E "^transfer|^baseline|^verified" "$OUT/gate.txt"
+fi
 if [ "${PYTEST_K:-}" != "skip" ]; then
-  timeout 330 python3 -m pytest -q -p no:cacheprovider -m "gpu or gpu2" tests/backends ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
+  timeout ${PYTEST_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider -m "gpu or gpu2" tests/backends ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
     | tee "$OUT/pytest-gpu.txt" | grep -E "passed|failed|FAILED|Error" | tail -15
 fi
-for b in ${BACKENDS:-ucx nccl}; do
+for b in ${BACKENDS:-mscclpp ucx nccl}; do
   demo() { timeout 150 python3 -m kvtransport.cli demo --device cuda --backend "$b" "$@" 2>&1; }
   { demo --pattern random; demo --pattern contiguous; demo --model one-layer --tokens 65536 --pattern contiguous; } \
     > "$OUT/demo-$b.txt"

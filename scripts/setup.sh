@@ -14,6 +14,6 @@ quiet python -m pip install -q --upgrade pip
 if ! python -c "import torch" 2>/dev/null; then
   quiet pip install -q "torch==2.13.0"
 fi
-quiet pip install -q -e ".[dev,bench]" -e backends/nccl -e backends/ucx
-python -c "import kvtransport, kvtransport_nccl, kvtransport_ucx; [print('  ', r) for r in kvtransport.available_backends()]"
+quiet pip install -q -e ".[dev,bench]" -e backends/nccl -e backends/ucx -e backends/mscclpp
+python -c "import kvtransport, kvtransport_nccl, kvtransport_ucx, kvtransport_mscclpp; [print('  ', r) for r in kvtransport.available_backends()]"
 command -v ruff >/dev/null && command -v mypy >/dev/null

@@ -1,0 +1,248 @@
+"""Device-side scattered copies into peer-mapped GPU memory: one kernel launch per put.
+
+For backends whose peer KV memory is mapped into this process (CUDA IPC, MSCCL++ CudaIpc): the segments
+of a put — every contiguous (source, destination, length) piece of its coalesced runs — go to the GPU as
+one table, and one launch copies them all, each CTA one chunk of at most ``CHUNK`` bytes with 16-byte
+loads and stores (NVLink stores into the peer GPU). Per-block host calls are what make the usual paths
+slow on fragmented KV (4,096 ``cudaMemcpyAsync`` for a 2k-token Llama-8B request); one launch is not.
+
+Layers of one geometry share a segment table per request: the manager hands every layer of a request
+the same runs tuple, so :class:`MappedPutter` builds the table once and each put only adds the layer's
+base addresses.
+
+Loaded only by backends that need it (imports numpy at module level, CuPy and torch lazily); the core
+package never imports this module.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .coalesce import BlockRun
+from .errors import TransferError, TransferTimeout
+from .layout import KVLayout, LayerRegion
+
+CHUNK = 64 << 10
+"""Largest piece one CTA copies; longer segments are split so a big contiguous put fills the GPU."""
+PLANS = 64
+"""Requests whose device tables are kept (by runs identity)."""
+SPIN_S = 50e-6
+"""A flush polls its event without sleeping this long, then sleeps ``SLEEP_S`` between polls."""
+SLEEP_S = 20e-6
+
+KERNEL = r"""
+extern "C" __global__ void kvt_segment_copy(const unsigned long long* __restrict__ segs, int n,
+                                            unsigned long long src_base, unsigned long long dst_base) {
+    int i = blockIdx.x;
+    if (i >= n) return;
+    const unsigned long long src = src_base + segs[3 * i], dst = dst_base + segs[3 * i + 1], len = segs[3 * i + 2];
+    if (((src | dst | len) & 15ull) == 0) {
+        const int4* s = reinterpret_cast<const int4*>(src);
+        int4* d = reinterpret_cast<int4*>(dst);
+        const unsigned long long n16 = len >> 4;
+        for (unsigned long long k = threadIdx.x; k < n16; k += blockDim.x) d[k] = s[k];
+    } else {
+        const unsigned char* s = reinterpret_cast<const unsigned char*>(src);
+        unsigned char* d = reinterpret_cast<unsigned char*>(dst);
+        for (unsigned long long k = threadIdx.x; k < len; k += blockDim.x) d[k] = s[k];
+    }
+    __threadfence_system();
+}
+"""
+
+
+def segments(local: LayerRegion, remote: LayerRegion, runs: Sequence[BlockRun]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Vectorised (src, dst, len) uint64 arrays of every contiguous copy of a put (see layout.iter_segments)."""
+    r = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
+    srcs, dsts, lens = [], [], []
+    for lp, rp in zip(local.planes, remote.planes, strict=True):
+        size = lp.piece_bytes
+        if lp.block_stride == size and rp.block_stride == size:
+            srcs.append(lp.base + r[:, 0] * size)
+            dsts.append(rp.base + r[:, 1] * size)
+            lens.append(r[:, 2] * size)
+        else:
+            counts = r[:, 2]
+            offs = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+            srcs.append(lp.base + (np.repeat(r[:, 0], counts) + offs) * lp.block_stride)
+            dsts.append(rp.base + (np.repeat(r[:, 1], counts) + offs) * rp.block_stride)
+            lens.append(np.full(len(offs), size, dtype=np.int64))
+    return (np.concatenate(srcs).astype(np.uint64), np.concatenate(dsts).astype(np.uint64),
+            np.concatenate(lens).astype(np.uint64))
+
+
+def uniform(layout: KVLayout) -> bool:
+    """All layers have the same planes relative to their first plane (true for vLLM caches)."""
+    def shape(layer: LayerRegion) -> list[tuple[int, int, int]]:
+        b0 = layer.planes[0].base
+        return [(p.base - b0, p.block_stride, p.piece_bytes) for p in layer.planes]
+
+    first = shape(layout.layers[0])
+    return all(shape(layer) == first for layer in layout.layers[1:])
+
+
+def split(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split segments longer than CHUNK into CHUNK-sized pieces (vectorised)."""
+    if not (lens > CHUNK).any():
+        return src, dst, lens
+    pieces = ((lens + CHUNK - 1) // CHUNK).astype(np.int64)
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+    k = (np.arange(int(pieces.sum())) - first).astype(np.uint64)
+    off = k * np.uint64(CHUNK)
+    rep_src, rep_dst, rep_len = np.repeat(src, pieces), np.repeat(dst, pieces), np.repeat(lens, pieces)
+    return rep_src + off, rep_dst + off, np.minimum(rep_len - off, np.uint64(CHUNK))
+
+
+class PeerWindows:
+    """The peer's KV extents as mapped into this process: translates peer addresses to local pointers.
+
+    ``rows`` are (peer start address, length, local mapped pointer of that start)."""
+
+    def __init__(self, rows: Sequence[tuple[int, int, int]]) -> None:
+        ordered = sorted((int(a), int(a) + int(n), int(p)) for a, n, p in rows)
+        self._rows = ordered
+        self._starts = [r[0] for r in ordered]
+        self.starts = np.array([r[0] for r in ordered], dtype=np.uint64)
+        self.ends = np.array([r[1] for r in ordered], dtype=np.uint64)
+        self.local = np.array([r[2] for r in ordered], dtype=np.uint64)
+
+    def translate_range(self, remote: int, nbytes: int) -> int:
+        """Local pointer for the peer range ``[remote, remote + nbytes)``; it must lie in one extent."""
+        i = bisect.bisect_right(self._starts, remote) - 1
+        if i < 0 or remote + nbytes > self._rows[i][1]:
+            raise TransferError("a put targets memory outside the peer's registered KV cache")
+        start, _, local = self._rows[i]
+        return local + (remote - start)
+
+    def translate(self, remote: np.ndarray, lens: np.ndarray) -> np.ndarray:
+        idx = np.searchsorted(self.starts, remote, side="right") - 1
+        if (idx < 0).any() or ((remote + lens) > self.ends[np.maximum(idx, 0)]).any():
+            raise TransferError("a put targets memory outside the peer's registered KV cache")
+        return self.local[idx] + (remote - self.starts[idx])
+
+
+class SegmentCopier:
+    """Compiles the copy kernel once and launches it on torch's current stream of ``device_index``."""
+
+    def __init__(self, device_index: int) -> None:
+        import cupy  # type: ignore[import-not-found]  # only on GPU hosts
+
+        self.cupy = cupy
+        self.device_index = device_index
+        with cupy.cuda.Device(device_index):
+            self.kernel = cupy.RawKernel(KERNEL, "kvt_segment_copy")
+            self.kernel.compile()
+        self.inflight: collections.deque[tuple[Any, Any]] = collections.deque()  # tables in use by kernels
+        self._streams: dict[int, Any] = {}
+
+    def _stream(self) -> Any:
+        """CuPy's handle on torch's current stream (cached: creating one costs microseconds per put)."""
+        import torch
+
+        ptr = torch.cuda.current_stream(self.device_index).cuda_stream
+        stream = self._streams.get(ptr)
+        if stream is None:
+            with self.cupy.cuda.Device(self.device_index):
+                stream = self._streams[ptr] = self.cupy.cuda.ExternalStream(ptr)
+        return stream
+
+    def upload(self, src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> tuple[Any, int]:
+        """Copy a segment table (offsets or addresses) to the device, on the caller's current stream."""
+        src, dst, lens = split(src, dst, lens)
+        table = np.stack([src, dst, lens], axis=1).astype(np.uint64).ravel()
+        with self.cupy.cuda.Device(self.device_index), self._stream():
+            return self.cupy.asarray(table), len(lens)
+
+    def launch(self, table: Any, n: int, src_base: int = 0, dst_base: int = 0) -> Any:
+        """One kernel: segment i copies ``len`` bytes from ``src_base + src_i`` to ``dst_base + dst_i``.
+
+        Runs on torch's current stream (after the kernels that produced the KV). Non-blocking; returns
+        the event recorded after the kernel."""
+        cupy = self.cupy
+        stream = self._stream()
+        with cupy.cuda.Device(self.device_index), stream:
+            self.kernel((n,), (512,), (table, np.int32(n), np.uint64(src_base), np.uint64(dst_base)))
+            event = cupy.cuda.Event(disable_timing=True)
+            event.record(stream)
+        while self.inflight and self.inflight[0][0].done:
+            self.inflight.popleft()
+        self.inflight.append((event, table))
+        return event
+
+    def wait(self, event: Any, timeout: float) -> None:
+        """Block until ``event`` completed: spin briefly, then sleep between polls. TransferTimeout past
+        ``timeout``; a CUDA error (e.g. a peer mapping gone bad) becomes TransferError."""
+        if event is None:
+            return
+        start = time.monotonic()
+        deadline = start + timeout
+        try:
+            while not event.done:
+                now = time.monotonic()
+                if now > deadline:
+                    raise TransferTimeout(f"device copy did not finish within {timeout:.3g}s")
+                time.sleep(0 if now - start < SPIN_S else SLEEP_S)
+        except self.cupy.cuda.runtime.CUDARuntimeError as exc:
+            raise TransferError(f"device copy failed: {exc}") from None
+
+
+class MappedPutter:
+    """Puts of one outbound link into a peer whose KV memory is mapped here (one launch per put)."""
+
+    def __init__(self, local: KVLayout, remote: KVLayout, windows: PeerWindows, copier: SegmentCopier) -> None:
+        self.local, self.remote = local, remote
+        self.windows = windows
+        self.copier = copier
+        self.uniform = uniform(local) and uniform(remote)
+        self._plans: collections.OrderedDict[int, tuple[Sequence[BlockRun], tuple[Any, int, int]]] = collections.OrderedDict()
+        self._lbases = [layer.planes[0].base for layer in local.layers]
+        self._rbases = [layer.planes[0].base for layer in remote.layers]
+        self.last_event: Any = None
+
+    def _plan(self, runs: Sequence[BlockRun]) -> tuple[Any, int, int]:
+        """The device table of ``runs`` relative to layer bases (cached by identity of the runs object)."""
+        key = id(runs)
+        hit = self._plans.get(key)
+        if hit is not None and hit[0] is runs:
+            self._plans.move_to_end(key)
+            return hit[1]
+        l0, r0 = self.local.layers[0], self.remote.layers[0]
+        src, dst, lens = segments(l0, r0, runs)
+        src_rel = src - np.uint64(l0.planes[0].base)  # modulo 2**64: adding the base back is exact
+        dst_rel = dst - np.uint64(r0.planes[0].base)
+        span = int((dst_rel + lens).max())
+        plan = (*self.copier.upload(src_rel, dst_rel, lens), span)
+        self._plans[key] = (runs, plan)
+        while len(self._plans) > PLANS:
+            self._plans.popitem(last=False)
+        return plan
+
+    def put(self, layer: int, runs: Sequence[BlockRun]) -> None:
+        """Launch the copy of ``runs`` of ``layer``. Non-blocking."""
+        if not self.uniform:
+            src, dst, lens = segments(self.local.layers[layer], self.remote.layers[layer], runs)
+            table, n = self.copier.upload(src, self.windows.translate(dst, lens), lens)
+            self.last_event = self.copier.launch(table, n)
+            return
+        table, n, span = self._plan(runs)
+        dst_base = self.windows.translate_range(self._rbases[layer], span)
+        self.last_event = self.copier.launch(table, n, self._lbases[layer], dst_base)
+
+    def landed(self, event: Any) -> bool:
+        try:
+            return event is None or bool(event.done)
+        except Exception:
+            return False
+
+    def flush(self, timeout: float) -> None:
+        """Block until every launch so far completed (bounded by ``timeout``)."""
+        self.copier.wait(self.last_event, timeout)
+
+    def close(self) -> None:
+        self._plans.clear()
