@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import bisect
 import collections
+import ctypes
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -27,6 +29,8 @@ import numpy as np
 from .coalesce import BlockRun
 from .errors import TransferError, TransferTimeout
 from .layout import KVLayout, LayerRegion
+
+log = logging.getLogger("kvtransport.cudacopy")
 
 CHUNK = 64 << 10
 """Largest piece one CTA copies; longer segments are split so a big contiguous put fills the GPU."""
@@ -127,25 +131,94 @@ class PeerWindows:
         return self.local[idx] + (remote - self.starts[idx])
 
 
+class _Driver:
+    """The CUDA driver calls of the launch path, through ctypes (each call releases the GIL, ~1 µs)."""
+
+    NOT_READY = 600
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        vp, ui = ctypes.c_void_p, ctypes.c_uint
+        self.launch = lib.cuLaunchKernel
+        self.launch.argtypes = [vp, ui, ui, ui, ui, ui, ui, ui, vp, ctypes.POINTER(vp), vp]
+        self.launch.restype = ctypes.c_int
+        self.record = lib.cuEventRecord
+        self.record.argtypes = [vp, vp]
+        self.record.restype = ctypes.c_int
+        self.query = lib.cuEventQuery
+        self.query.argtypes = [vp]
+        self.query.restype = ctypes.c_int
+        self.ctx_get = lib.cuCtxGetCurrent
+        self.ctx_get.argtypes = [ctypes.POINTER(vp)]
+        self.ctx_set = lib.cuCtxSetCurrent
+        self.ctx_set.argtypes = [vp]
+        self._error_string = lib.cuGetErrorString
+        self._error_string.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+
+    def check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            msg = ctypes.c_char_p()
+            self._error_string(rc, ctypes.byref(msg))
+            raise TransferError(f"{what} failed: CUDA error {rc} ({(msg.value or b'?').decode()})")
+
+
+class Mark:
+    """Completion of everything a stream held when it was recorded (an event from the copier's pool)."""
+
+    __slots__ = ("copier", "event")
+
+    def __init__(self, copier: SegmentCopier, event: Any) -> None:
+        self.copier, self.event = copier, event
+
+    @property
+    def done(self) -> bool:
+        """Non-blocking; raises TransferError on a CUDA error (e.g. a peer mapping gone bad)."""
+        rc = self.copier.driver.query(self.event.ptr)
+        if rc == _Driver.NOT_READY:
+            return False
+        self.copier.driver.check(rc, "device copy")
+        return True
+
+
 class SegmentCopier:
-    """Compiles the copy kernel once and launches it on torch's current stream of ``device_index``."""
+    """Compiles the copy kernel once and launches it on torch's current stream of ``device_index``.
+
+    Launches go straight to ``cuLaunchKernel``/``cuEventRecord`` (a few µs per put instead of the ~30 µs
+    of CuPy's generic launch and a fresh event); events come from a pool that is reused round-robin (a
+    re-recorded event only completes later, which keeps every wait and table lifetime conservative)."""
+
+    EVENTS = 512
 
     def __init__(self, device_index: int) -> None:
         import cupy  # type: ignore[import-not-found]  # only on GPU hosts
 
         self.cupy = cupy
         self.device_index = device_index
+        self.driver = _Driver()
         with cupy.cuda.Device(device_index):
             self.kernel = cupy.RawKernel(KERNEL, "kvt_segment_copy")
             self.kernel.compile()
-        self.inflight: collections.deque[tuple[Any, Any]] = collections.deque()  # tables in use by kernels
+            self._func = ctypes.c_void_p(int(self.kernel.kernel.ptr))
+            self._events = [cupy.cuda.Event(disable_timing=True) for _ in range(self.EVENTS)]
+            ctx = ctypes.c_void_p()
+            self.driver.check(self.driver.ctx_get(ctypes.byref(ctx)), "cuCtxGetCurrent")
+            self._ctx = ctx.value
+        self._next_event = 0
+        self.fast = True
+        self._launched = False
+        self._args = (ctypes.c_uint64(), ctypes.c_int32(), ctypes.c_uint64(), ctypes.c_uint64())
+        self._params = (ctypes.c_void_p * 4)(*(ctypes.addressof(a) for a in self._args))
+        self.inflight: collections.deque[tuple[Mark, Any]] = collections.deque()  # tables in use by kernels
         self._streams: dict[int, Any] = {}
 
-    def _stream(self) -> Any:
-        """CuPy's handle on torch's current stream (cached: creating one costs microseconds per put)."""
+    def _stream_ptr(self) -> int:
         import torch
 
-        ptr = torch.cuda.current_stream(self.device_index).cuda_stream
+        return int(torch.cuda.current_stream(self.device_index).cuda_stream)
+
+    def _stream(self) -> Any:
+        """CuPy's handle on torch's current stream (cached: creating one costs microseconds)."""
+        ptr = self._stream_ptr()
         stream = self._streams.get(ptr)
         if stream is None:
             with self.cupy.cuda.Device(self.device_index):
@@ -159,37 +232,66 @@ class SegmentCopier:
         with self.cupy.cuda.Device(self.device_index), self._stream():
             return self.cupy.asarray(table), len(lens)
 
-    def launch(self, table: Any, n: int, src_base: int = 0, dst_base: int = 0) -> Any:
+    def launch(self, table: Any, n: int, src_base: int = 0, dst_base: int = 0) -> Mark:
         """One kernel: segment i copies ``len`` bytes from ``src_base + src_i`` to ``dst_base + dst_i``.
 
         Runs on torch's current stream (after the kernels that produced the KV). Non-blocking; returns
-        the event recorded after the kernel."""
+        the mark of this launch (pass it to :meth:`wait`)."""
+        if not self.fast:
+            return self._launch_cupy(table, n, src_base, dst_base)
+        try:
+            return self._launch_fast(table, n, src_base, dst_base)
+        except TransferError as exc:
+            if self._launched:
+                raise
+            self.fast = False  # the first launch failed: use CuPy's launch from now on, and say so once
+            log.warning("direct kernel launch failed (%s); using CuPy's launch (slower per put)", exc)
+            return self._launch_cupy(table, n, src_base, dst_base)
+
+    def _launch_fast(self, table: Any, n: int, src_base: int, dst_base: int) -> Mark:
+        drv = self.driver
+        stream = ctypes.c_void_p(self._stream_ptr())
+        current = ctypes.c_void_p()
+        drv.ctx_get(ctypes.byref(current))
+        if current.value != self._ctx:  # another thread: make the device's primary context current
+            drv.check(drv.ctx_set(self._ctx), "cuCtxSetCurrent")
+        a_table, a_n, a_src, a_dst = self._args
+        a_table.value, a_n.value, a_src.value, a_dst.value = int(table.data.ptr), n, src_base, dst_base
+        drv.check(drv.launch(self._func, n, 1, 1, 512, 1, 1, 0, stream, self._params, None), "copy kernel launch")
+        event = self._events[self._next_event]
+        self._next_event = (self._next_event + 1) % self.EVENTS
+        drv.check(drv.record(event.ptr, stream), "cuEventRecord")
+        self._launched = True
+        return self._track(Mark(self, event), table)
+
+    def _launch_cupy(self, table: Any, n: int, src_base: int, dst_base: int) -> Mark:
         cupy = self.cupy
         stream = self._stream()
         with cupy.cuda.Device(self.device_index), stream:
             self.kernel((n,), (512,), (table, np.int32(n), np.uint64(src_base), np.uint64(dst_base)))
             event = cupy.cuda.Event(disable_timing=True)
             event.record(stream)
+        return self._track(Mark(self, event), table)
+
+    def _track(self, mark: Mark, table: Any) -> Mark:
+        """Keep ``table`` alive until the kernels using it are done."""
         while self.inflight and self.inflight[0][0].done:
             self.inflight.popleft()
-        self.inflight.append((event, table))
-        return event
+        self.inflight.append((mark, table))
+        return mark
 
-    def wait(self, event: Any, timeout: float) -> None:
-        """Block until ``event`` completed: spin briefly, then sleep between polls. TransferTimeout past
-        ``timeout``; a CUDA error (e.g. a peer mapping gone bad) becomes TransferError."""
-        if event is None:
+    def wait(self, mark: Mark | None, timeout: float) -> None:
+        """Block until ``mark`` completed: spin briefly, then sleep between polls (the GIL is free during
+        each poll). TransferTimeout past ``timeout``; TransferError on a CUDA error."""
+        if mark is None:
             return
         start = time.monotonic()
         deadline = start + timeout
-        try:
-            while not event.done:
-                now = time.monotonic()
-                if now > deadline:
-                    raise TransferTimeout(f"device copy did not finish within {timeout:.3g}s")
-                time.sleep(0 if now - start < SPIN_S else SLEEP_S)
-        except self.cupy.cuda.runtime.CUDARuntimeError as exc:
-            raise TransferError(f"device copy failed: {exc}") from None
+        while not mark.done:
+            now = time.monotonic()
+            if now > deadline:
+                raise TransferTimeout(f"device copy did not finish within {timeout:.3g}s")
+            time.sleep(0 if now - start < SPIN_S else SLEEP_S)
 
 
 class MappedPutter:
@@ -203,7 +305,7 @@ class MappedPutter:
         self._plans: collections.OrderedDict[int, tuple[Sequence[BlockRun], tuple[Any, int, int]]] = collections.OrderedDict()
         self._lbases = [layer.planes[0].base for layer in local.layers]
         self._rbases = [layer.planes[0].base for layer in remote.layers]
-        self.last_event: Any = None
+        self.last_event: Mark | None = None
 
     def _plan(self, runs: Sequence[BlockRun]) -> tuple[Any, int, int]:
         """The device table of ``runs`` relative to layer bases (cached by identity of the runs object)."""
@@ -234,10 +336,11 @@ class MappedPutter:
         dst_base = self.windows.translate_range(self._rbases[layer], span)
         self.last_event = self.copier.launch(table, n, self._lbases[layer], dst_base)
 
-    def landed(self, event: Any) -> bool:
+    def landed(self, mark: Mark | None) -> bool:
+        """Whether the launch behind ``mark`` completed (False when unsure). Non-blocking."""
         try:
-            return event is None or bool(event.done)
-        except Exception:
+            return mark is None or mark.done
+        except TransferError:  # let flush report it
             return False
 
     def flush(self, timeout: float) -> None:
