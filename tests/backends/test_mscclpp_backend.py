@@ -185,3 +185,18 @@ def test_free_port_is_bindable() -> None:
     port = free_port("127.0.0.1")
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_open_with_ib_requested_reports_the_missing_rdma_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtransport_mscclpp.transport import MscclppTransport
+
+    from kvtransport.config import resolve
+    from kvtransport.testing.cache import CacheSpec, make_cache
+
+    monkeypatch.setattr(native, "ib_devices", lambda *a, **k: [])
+    monkeypatch.setattr(native, "build_info", lambda: native.BuildInfo(installed=True, library="x", ib_compiled=True))
+    layout = make_cache(CacheSpec(num_layers=2, num_blocks=4, heads=1, block_size=4, head_dim=8), "cpu").layout
+    with pytest.raises(BackendUnavailable, match=r"IB0 needs RDMA device #0, this host has 0"):
+        MscclppTransport(layout, resolve("mscclpp", transport="ib"))
+    with pytest.raises(ConfigurationError, match="transport='tcp'"):
+        MscclppTransport(layout, resolve("mscclpp", transport="tcp"))
