@@ -20,6 +20,7 @@ import bisect
 import collections
 import ctypes
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -173,7 +174,11 @@ class Mark:
     @property
     def done(self) -> bool:
         """Non-blocking; raises TransferError on a CUDA error (e.g. a peer mapping gone bad)."""
-        rc = self.copier.driver.query(self.event.ptr)
+        prev = self.copier.enter_context()  # the driver call needs it (flushes run on other threads)
+        try:
+            rc = self.copier.driver.query(self.event.ptr)
+        finally:
+            self.copier.leave_context(prev)
         if rc == _Driver.NOT_READY:
             return False
         self.copier.driver.check(rc, "device copy")
@@ -206,10 +211,27 @@ class SegmentCopier:
         self._next_event = 0
         self.fast = True
         self._launched = False
+        self._launch_lock = threading.Lock()
         self._args = (ctypes.c_uint64(), ctypes.c_int32(), ctypes.c_uint64(), ctypes.c_uint64())
         self._params = (ctypes.c_void_p * 4)(*(ctypes.addressof(a) for a in self._args))
         self.inflight: collections.deque[tuple[Mark, Any]] = collections.deque()  # tables in use by kernels
         self._streams: dict[int, Any] = {}
+
+    _KEEP = -1
+
+    def enter_context(self) -> int | None:
+        """Make the device's primary context current on this thread (driver calls need it); returns what
+        to hand to :meth:`leave_context` so the caller's own current context (torch's device) is restored."""
+        current = ctypes.c_void_p()
+        self.driver.ctx_get(ctypes.byref(current))
+        if current.value == self._ctx:
+            return self._KEEP
+        self.driver.check(self.driver.ctx_set(self._ctx), "cuCtxSetCurrent")
+        return current.value
+
+    def leave_context(self, previous: int | None) -> None:
+        if previous != self._KEEP:
+            self.driver.ctx_set(previous)
 
     def _stream_ptr(self) -> int:
         import torch
@@ -237,30 +259,31 @@ class SegmentCopier:
 
         Runs on torch's current stream (after the kernels that produced the KV). Non-blocking; returns
         the mark of this launch (pass it to :meth:`wait`)."""
-        if not self.fast:
-            return self._launch_cupy(table, n, src_base, dst_base)
-        try:
-            return self._launch_fast(table, n, src_base, dst_base)
-        except TransferError as exc:
-            if self._launched:
-                raise
-            self.fast = False  # the first launch failed: use CuPy's launch from now on, and say so once
-            log.warning("direct kernel launch failed (%s); using CuPy's launch (slower per put)", exc)
-            return self._launch_cupy(table, n, src_base, dst_base)
+        with self._launch_lock:  # links of one transport share the argument buffers and the event ring
+            if not self.fast:
+                return self._launch_cupy(table, n, src_base, dst_base)
+            try:
+                return self._launch_fast(table, n, src_base, dst_base)
+            except TransferError as exc:
+                if self._launched:
+                    raise
+                self.fast = False  # the first launch failed: use CuPy's launch from now on, and say so once
+                log.warning("direct kernel launch failed (%s); using CuPy's launch (slower per put)", exc)
+                return self._launch_cupy(table, n, src_base, dst_base)
 
     def _launch_fast(self, table: Any, n: int, src_base: int, dst_base: int) -> Mark:
         drv = self.driver
         stream = ctypes.c_void_p(self._stream_ptr())
-        current = ctypes.c_void_p()
-        drv.ctx_get(ctypes.byref(current))
-        if current.value != self._ctx:  # another thread: make the device's primary context current
-            drv.check(drv.ctx_set(self._ctx), "cuCtxSetCurrent")
-        a_table, a_n, a_src, a_dst = self._args
-        a_table.value, a_n.value, a_src.value, a_dst.value = int(table.data.ptr), n, src_base, dst_base
-        drv.check(drv.launch(self._func, n, 1, 1, 512, 1, 1, 0, stream, self._params, None), "copy kernel launch")
-        event = self._events[self._next_event]
-        self._next_event = (self._next_event + 1) % self.EVENTS
-        drv.check(drv.record(event.ptr, stream), "cuEventRecord")
+        prev = self.enter_context()
+        try:
+            a_table, a_n, a_src, a_dst = self._args
+            a_table.value, a_n.value, a_src.value, a_dst.value = int(table.data.ptr), n, src_base, dst_base
+            drv.check(drv.launch(self._func, n, 1, 1, 512, 1, 1, 0, stream, self._params, None), "copy kernel launch")
+            event = self._events[self._next_event]
+            self._next_event = (self._next_event + 1) % self.EVENTS
+            drv.check(drv.record(event.ptr, stream), "cuEventRecord")
+        finally:
+            self.leave_context(prev)
         self._launched = True
         return self._track(Mark(self, event), table)
 
