@@ -420,3 +420,25 @@ def test_lease_expires_without_decode(pair) -> None:
     pr.p.update_from_output(so, empty_output(sending={preq.request_id}))
     assert seen == {"lease_expirations": 1}
     assert_no_leaks(pr.p)
+
+
+def test_debug_hold_keeps_a_decode_request_waiting_and_renewing(pair) -> None:
+    """Test-only ``debug_hold`` (used by the E2E fault tests): a decode request carrying ``kvt_debug_hold`` is never
+    admitted (no block allocated) while the prefill's holders list and lease see it; other requests, and the same
+    flag on an instance without the knob, are admitted as usual."""
+    pr = pair(p_extra={"lease": 0.6}, d_extra={"debug_hold": True})
+    _, dparams = pr.push_params("x-hold")
+    held = make_request(list(range(10, 50)), params={**dparams, "kvt_debug_hold": True})
+    pr.d.add_request(held)
+    for _ in range(3):
+        so = pr.d.schedule()
+        assert held.request_id not in so.num_scheduled_tokens and not plan_of(so).recv_start
+        pr.d.update_from_output(so, empty_output())
+    assert held.status == RequestStatus.WAITING
+    assert not pr.d.kv_cache_manager.get_block_ids(held.request_id)[0]
+    wait_until(lambda: (pr.pc._drain_inbox(time.monotonic()) or pr.dc.engine_id in pr.pc.holds.get("x-hold", (0, ()))[1]))
+    _, other = pr.push_params("x-other")
+    _decode_admit(pr, make_request(list(range(60, 100)), params=other))
+    plain = pair()  # the request flag alone does nothing
+    _, dparams = plain.push_params("x-plain")
+    _decode_admit(plain, make_request(list(range(10, 50)), params={**dparams, "kvt_debug_hold": True}))

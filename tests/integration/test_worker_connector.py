@@ -129,3 +129,23 @@ def test_unknown_peer_reports_send_failure(pd) -> None:
         fails = p.take_send_failures()
         time.sleep(0.01)
     assert fails and fails[0].seq == "sx" and "nobody" in fails[0].reason
+
+
+def test_debug_delay_holds_back_one_signal_without_blocking_others(pd) -> None:
+    """Test-only ``debug_push_delay``: the delayed request's final signal (and its release) waits, while a request
+    pushed after it lands at once."""
+    p, d, src, _ = pd
+    meta = d.handshake()["metadata"]
+    d.bind(StepPlan(recv_start={"slow": 60, "fast": 60}))
+    step(p, StepPlan(peers={"D": {0: meta}},
+                     layer_pushes=[Push("ps", "slow", "D", (1,), (11,), final=True, delay=4.0)]), src)
+    t0 = time.monotonic()
+    step(p, StepPlan(whole_pushes=[Push("pf", "fast", "D", (2,), (12,))]), src)
+    seen = poll(d, "finished_recving", "fast")
+    step(p, StepPlan(send_release=["ps", "pf"]), src)
+    sent = poll(p, "finished_sending", "pf")
+    assert "slow" not in seen.finished_recving and "ps" not in sent.finished_sending
+    assert time.monotonic() - t0 < 4.0, "the other request waited for the delayed signal"
+    poll(d, "finished_recving", "slow")
+    assert time.monotonic() - t0 >= 3.5
+    poll(p, "finished_sending", "ps")

@@ -18,8 +18,13 @@ Keys of ``kv_connector_extra_config`` (all optional)::
                        happens after the forward when the destination comes late)
     model_id           model identity for the compatibility hash (default: basename of the model path)
     backend_options    dict handed to kvtransport.open (capacity, timeout, backend knobs)
-    debug_push_delay   test-only: seconds the prefill worker pauses before the final signal of a request
-                       whose prefill-leg kv_transfer_params carry ``kvt_debug_delay: true`` (default 0)
+    debug_push_delay   test-only: seconds the prefill worker holds back the final signal of a request whose
+                       prefill-leg kv_transfer_params carry ``kvt_debug_delay: true``; other requests are
+                       served meanwhile (default 0)
+    debug_hold         test-only: a decode instance with ``debug_hold: true`` never admits a request whose
+                       decode-leg kv_transfer_params carry ``kvt_debug_hold: true``: it stays waiting,
+                       unallocated (as if the decode had no room for it) and keeps renewing its lease on the
+                       prefill, until it is aborted or the instance dies (default false)
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class ConnectorSettings:
     model_id: str | None = None
     backend_options: Mapping[str, Any] = field(default_factory=dict)
     debug_push_delay: float = 0.0
+    debug_hold: bool = False
 
     @property
     def source_ttl(self) -> float:
@@ -93,6 +99,7 @@ def resolve_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str] | N
         model_id=extra.get("model_id"),
         backend_options=dict(opts),
         debug_push_delay=max(0.0, float(extra.get("debug_push_delay", 0.0))),
+        debug_hold=extra.get("debug_hold", False) is True,
     )
 
 

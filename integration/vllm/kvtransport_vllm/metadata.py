@@ -17,7 +17,8 @@ class Push:
     (``StepPlan.layer_pushes``) is issued from ``save_kv_layer`` for each layer; ``final`` means this step
     completes the prompt, so each layer is signalled and the sequence is signalled after the last one. A
     whole push (``StepPlan.whole_pushes``) puts and signals every layer at once, right after the forward.
-    ``delay`` (test-only, ``debug_push_delay``): seconds the worker pauses before the sequence's final signal.
+    ``delay`` (test-only, ``debug_push_delay``): seconds the worker holds back the sequence's final signal (it
+    keeps serving other requests meanwhile; the prefill request is released after that signal).
     """
 
     req_id: str

@@ -212,6 +212,8 @@ class SchedulerSide:
         if kind == "decode" and self.consumer:
             if request.request_id in self.consumed or not self._peer_addr(params):
                 return 0, False
+            if self.settings.debug_hold and params.get("kvt_debug_hold") is True:
+                return None, False  # test-only (debug_hold): never admitted; the lease is still renewed
             count = request.num_prompt_tokens - num_computed_tokens
             return (count, True) if count > 0 else (0, False)
         if kind == "prefill" and self.producer and self.settings.dst_wait > 0:

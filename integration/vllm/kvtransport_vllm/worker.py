@@ -55,6 +55,9 @@ class _Pusher:
         self.failed_seqs: dict[str, str] = {}
         self.touched: dict[str, set[str]] = defaultdict(set)  # prefill req -> engines it put to
         self.releasing: list[str] = []
+        # test-only (debug_push_delay): final signals held back, (due, "layerwise" | "whole", pushes); the
+        # thread keeps serving other requests meanwhile, and their prefill requests are released after them
+        self.delayed: list[tuple[float, str, list[Push]]] = []
         self.finished_sending: set[str] = set()
         self.failures: list[SendFailure] = []
         self.sent_layerwise = 0
@@ -79,9 +82,9 @@ class _Pusher:
     def _run(self) -> None:
         while True:
             try:
-                job = self.q.get(timeout=0.02 if self.releasing else None)
+                job = self.q.get(timeout=self._idle_timeout())
             except queue.Empty:
-                self._flush_releases()
+                self._housekeeping()
                 continue
             if job is None:
                 return
@@ -89,8 +92,44 @@ class _Pusher:
                 self._do(job)
             except Exception:  # never let the pusher die: requests would hang
                 log.exception("kvtransport pusher: job %s failed", job[0])
-            if self.releasing and self.q.empty():
+            if self.q.empty():
+                self._housekeeping()
+
+    def _held_back(self) -> set[str]:
+        """Prefill requests with a final signal still held back (released only after it)."""
+        return {p.req_id for _, _, pushes in self.delayed for p in pushes}
+
+    def _idle_timeout(self) -> float | None:
+        """How long the thread may wait for a job: releases are flushed as soon as the queue is idle, held-back
+        signals when they are due."""
+        timeout = None
+        if self.releasing and not set(self.releasing) <= self._held_back():
+            timeout = 0.02
+        if self.delayed:
+            due = max(0.0, min(d for d, _, _ in self.delayed) - time.monotonic())
+            timeout = due if timeout is None else min(timeout, due)
+        return timeout
+
+    def _housekeeping(self) -> None:
+        try:
+            now = time.monotonic()
+            due = [d for d in self.delayed if d[0] <= now]
+            if due:
+                self.delayed = [d for d in self.delayed if d[0] > now]
+                for _, kind, pushes in due:
+                    self._signal_all(kind, pushes)
+            if self.releasing:
                 self._flush_releases()
+        except Exception:  # never let the pusher die
+            log.exception("kvtransport pusher: housekeeping failed")
+
+    def _signal_all(self, kind: str, pushes: list[Push]) -> None:
+        for p in pushes:
+            if self._signal(p):
+                if kind == "whole":
+                    self.sent_whole += 1
+                else:
+                    self.sent_layerwise += 1
 
     def _do(self, job: tuple[Any, ...]) -> None:
         kind = job[0]
@@ -103,22 +142,23 @@ class _Pusher:
             for p in pushes:
                 self._put(p, layer, signal_layer=p.final)
         elif kind == "signal":
-            delay = max((p.delay for p in job[1]), default=0.0)
-            if delay > 0:  # test-only (debug_push_delay): hold the transfer open before its final signal
-                time.sleep(delay)
-            for p in job[1]:
-                if self._signal(p):
-                    self.sent_layerwise += 1
+            self._signal_later("layerwise", list(job[1]))
         elif kind == "whole":
             whole: Push = job[1]
             for layer in range(self.num_layers):
                 self._put(whole, layer, signal_layer=True)
-            if whole.delay > 0:
-                time.sleep(whole.delay)
-            if self._signal(whole):
-                self.sent_whole += 1
+            self._signal_later("whole", [whole])
         elif kind == "release":
             self.releasing.append(job[1])
+
+    def _signal_later(self, kind: str, pushes: list[Push]) -> None:
+        """Signal ``pushes`` now, or hold back those with a (test-only, ``debug_push_delay``) delay: the transfer
+        stays open that long while the thread goes on serving the others."""
+        now = time.monotonic()
+        later = [p for p in pushes if p.delay > 0]
+        if later:
+            self.delayed.append((now + max(p.delay for p in later), kind, later))
+        self._signal_all(kind, [p for p in pushes if p.delay <= 0])
 
     def _peer(self, engine: str) -> Peer:
         peer = self.peers.get(engine)
@@ -181,7 +221,9 @@ class _Pusher:
             return False
 
     def _flush_releases(self) -> None:
-        reqs, self.releasing = self.releasing, []
+        held = self._held_back()
+        reqs = [r for r in self.releasing if r not in held]
+        self.releasing = [r for r in self.releasing if r in held]
         engines = set().union(*(self.touched.pop(r, set()) for r in reqs)) if reqs else set()
         for eng in engines:
             peer = self.peers.get(eng)
