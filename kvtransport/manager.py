@@ -9,13 +9,15 @@ by default), in order; bytes travel over the backend.
 Threads: one accept thread, one thread per inbound peer (receives control frames and, for two-sided
 backends, the data), one reader thread per outbound peer (error reports from the receiver) and, for
 one-sided backends, one signaller thread per outbound peer (flush, then signal, off the caller's path).
+A one-sided signal whose puts have already landed skips that hand-off: the caller's thread sends it (see
+``_Outbound``). The receiving thread applies every signal that arrived in one read under one lock round.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
-import queue
 import secrets
 import socket
 import threading
@@ -49,6 +51,12 @@ from .wire import FrameType
 log = logging.getLogger("kvtransport")
 RUNS_CACHE = 64
 """How many distinct block-id lists keep their coalesced runs (a request's layers share one)."""
+YIELD_S = 0.002
+"""Longest a sender API call lets a signaller thread that needs the interpreter run first (see _Parking)."""
+STARVED_NS = 200_000
+"""A signaller kept from the interpreter this long by a busy caller thread gets it at the next API call."""
+BUSY_GAP_NS = 200_000
+"""A caller that spent this long outside the sender API since its last call is taken to be busy in Python."""
 
 
 @dataclass
@@ -489,43 +497,23 @@ class _Inbound:
             assert self.link is not None and self.peer is not None
             two_sided = not cm.capabilities.one_sided
             while True:
-                kind, payload = self.conn.recv()
-                if kind == FrameType.PUT and two_sided:
-                    self._on_put(payload)
-                elif kind == FrameType.CHECKSUM:
-                    seq, ck_layer, crc, runs = wire.decode_checksum(payload)
-                    if ck_layer >= cm.layout.num_layers or any(r.dst + r.count > cm.layout.num_blocks for r in runs):
-                        raise ProtocolError("CHECKSUM frame outside our layout")
-                    self._checksums.setdefault(seq, []).append((ck_layer, crc, runs))
-                elif kind == FrameType.SIGNAL:
-                    seq, layer = wire.decode_signal(payload)
-                    if layer is not None and layer >= cm.layout.num_layers:
-                        raise ProtocolError(f"SIGNAL for layer {layer} beyond our {cm.layout.num_layers} layers")
-                    if self._checksums and not self._verify(seq, layer):
-                        continue
-                    try:
-                        if layer is None:
-                            cm._table.mark_complete(seq, peer=self.peer)
-                            with cm._stats_lock:
-                                cm._stats.sequences_completed += 1
-                        else:
-                            cm._table.mark_layer(seq, layer, peer=self.peer)
-                    except SlotsExhausted as exc:
-                        self.conn.send(FrameType.NACK, wire.encode_error(seq, exc))
-                elif kind == FrameType.ABORT_ACK:
-                    seq, token = wire.decode_abort(payload)
-                    self.forget_ack(seq, token)
-                elif kind == FrameType.CANCEL:
-                    seq = wire.decode_cancel(payload)
-                    try:  # record it even if nobody waits yet, so a later wait fails at once
-                        cm._table.acquire(seq, peer=self.peer, remote=True)
-                    except SlotsExhausted:
-                        pass
-                    cm._table.fail(seq, SequenceAborted(f"sequence {seq!r} was cancelled by the sender"))
-                elif kind == FrameType.PING:
-                    self.conn.send(FrameType.PONG)
-                else:
-                    raise ProtocolError(f"unexpected {kind.name} frame from a connected peer")
+                marks: list[tuple[SeqId, int | None]] = []  # landed events of consecutive SIGNALs: applied at once
+                try:
+                    for kind, payload in self.conn.recv_many():
+                        if kind == FrameType.SIGNAL:
+                            seq, layer = wire.decode_signal(payload)
+                            if layer is not None and layer >= cm.layout.num_layers:
+                                raise ProtocolError(f"SIGNAL for layer {layer} beyond our {cm.layout.num_layers} layers")
+                            if self._checksums:
+                                self._apply(marks)
+                                if not self._verify(seq, layer):
+                                    continue
+                            marks.append((seq, layer))
+                            continue
+                        self._apply(marks)  # other frames see every earlier signal applied
+                        self._on_frame(kind, payload, two_sided)
+                finally:  # signals that arrived before a bad frame still count
+                    self._apply(marks)
         except KVTransportError as exc:
             if not cm._closed:
                 if self.peer is not None:
@@ -542,6 +530,47 @@ class _Inbound:
         finally:
             self.close()
             cm._drop_inbound(self)
+
+    def _apply(self, marks: list[tuple[SeqId, int | None]]) -> None:
+        """Mark a run of signalled events landed (one table operation) and empty ``marks``; NACK the events
+        refused for want of a slot."""
+        if not marks:
+            return
+        cm = self.cm
+        marks, pending = list(marks), marks
+        pending.clear()
+        refused = cm._table.mark_many(marks, peer=self.peer)
+        completed = sum(1 for _, layer in marks if layer is None) - sum(1 for _, layer, _ in refused if layer is None)
+        if completed:
+            with cm._stats_lock:
+                cm._stats.sequences_completed += completed
+        for seq, _, exc in refused:
+            self.conn.send(FrameType.NACK, wire.encode_error(seq, exc))
+
+    def _on_frame(self, kind: FrameType, payload: bytes, two_sided: bool) -> None:
+        """Every frame but SIGNAL, in order."""
+        cm = self.cm
+        if kind == FrameType.PUT and two_sided:
+            self._on_put(payload)
+        elif kind == FrameType.CHECKSUM:
+            seq, ck_layer, crc, runs = wire.decode_checksum(payload)
+            if ck_layer >= cm.layout.num_layers or any(r.dst + r.count > cm.layout.num_blocks for r in runs):
+                raise ProtocolError("CHECKSUM frame outside our layout")
+            self._checksums.setdefault(seq, []).append((ck_layer, crc, runs))
+        elif kind == FrameType.ABORT_ACK:
+            seq, token = wire.decode_abort(payload)
+            self.forget_ack(seq, token)
+        elif kind == FrameType.CANCEL:
+            seq = wire.decode_cancel(payload)
+            try:  # record it even if nobody waits yet, so a later wait fails at once
+                cm._table.acquire(seq, peer=self.peer, remote=True)
+            except SlotsExhausted:
+                pass
+            cm._table.fail(seq, SequenceAborted(f"sequence {seq!r} was cancelled by the sender"))
+        elif kind == FrameType.PING:
+            self.conn.send(FrameType.PONG)
+        else:
+            raise ProtocolError(f"unexpected {kind.name} frame from a connected peer")
 
     def _handshake(self) -> None:
         cm = self.cm
@@ -647,8 +676,87 @@ class _Inbound:
                 log.warning("inbound link close failed: %s", exc)
 
 
+class _Parking:
+    """Cooperative GIL hand-off between a signaller thread and the threads that call the sender API.
+
+    A thread that waits for the GIL while another runs Python waits up to the interpreter's switch interval
+    (5 ms by default; it is process-global, so we leave it alone). The signaller mostly waits *without* the
+    GIL — idle, or in a backend's wait written in C — and needs the interpreter only for short stretches
+    between. ``flag`` is 1 while it is parked like that and 0 when it needs the interpreter, since ``since``
+    (ns, ``time.monotonic_ns``): the signaller clears it when it is woken with work, and a backend's C wait
+    just before it returns. A sender API call may then block (releasing the GIL) until the signaller parks
+    again, at most YIELD_S (see ``after_call`` for when). Each such hand-off costs two thread wake-ups
+    (~0.1 ms on a loaded 2-core VM), so a tight loop of puts and signals — which is not where the
+    interpreter is held for long — does not yield at every call.
+    """
+
+    def __init__(self) -> None:
+        self.flag = ctypes.c_int32(1)
+        self.since = ctypes.c_int64(0)
+        self._last_call = 0
+        self._last_gap = 0
+        self._parked = threading.Event()
+        self._parked.set()
+        self._lock = threading.Lock()
+
+    def park(self) -> None:
+        """Signaller: about to wait without the GIL (idle, or a wait in C that clears ``flag`` when it ends)."""
+        with self._lock:
+            self.flag.value = 1
+            self._parked.set()
+
+    def unpark(self) -> None:
+        """The signaller needs the interpreter (it was woken with work, or returned from a wait)."""
+        if self.flag.value:
+            self.since.value = time.monotonic_ns()
+            self.flag.value = 0
+
+    def yield_to_signaller(self, starved_ns: int = 0) -> None:
+        """Caller: if the signaller has needed the interpreter for ``starved_ns`` or more, let it run until
+        it parks (bounded by YIELD_S)."""
+        if self.flag.value or time.monotonic_ns() - self.since.value < starved_ns:
+            return
+        with self._lock:
+            if self.flag.value:
+                return
+            self._parked.clear()
+        self._parked.wait(YIELD_S)
+
+    def after_call(self, *, end_of_burst: bool) -> None:
+        """Caller, at the end of a sender API call: yield when it pays. A call that ends a burst (a
+        request's ``signal``) is followed by other work, so a signaller that needs the interpreter gets it
+        now; so it does when the caller spent BUSY_GAP_NS or more elsewhere before this call or the one
+        before (it is busy in Python between a put/signal pair and the next); in a tight loop of calls only a
+        signaller starved for STARVED_NS does."""
+        now = time.monotonic_ns()
+        gap, self._last_call = now - self._last_call, now
+        busy = gap >= BUSY_GAP_NS or self._last_gap >= BUSY_GAP_NS  # a put and its signal come as a pair
+        self._last_gap = gap
+        if self.flag.value:
+            return
+        self.yield_to_signaller(0 if end_of_burst or busy else STARVED_NS)
+
+
 class _Outbound:
-    """Sender-side state of one peer link."""
+    """Sender-side state of one peer link.
+
+    One-sided backends: a frame that must arrive after earlier puts (SIGNAL, CANCEL, CHECKSUM) is queued
+    with the link's mark of what it had issued then (``link.mark()``, for backends that offer
+    ``mark``/``landed``). Queued frames leave in order and in batches (one socket write): from the caller's
+    thread at once when everything they follow has already landed and nothing older is waiting, otherwise
+    from the signaller thread, which flushes the link once per batch. A caller's later put or signal also
+    sends the frames whose puts have landed meanwhile, so a busy caller thread — which holds the GIL and
+    would keep the signaller waiting up to the interpreter's switch interval — still moves them along; and
+    a caller lets the signaller run first when it needs the interpreter (``_Parking``).
+
+    A backend may offer ``link.flush_and_send(timeout, fd, data, parking, on_wait) -> int``: flush, then
+    write the batch's bytes to the side channel's socket from the same GIL-free wait that saw the puts land
+    (returns the bytes it wrote; the manager writes the rest). Then a signal leaves when its copy ends, not
+    when the signaller next gets the interpreter. Before such a wait it calls ``on_wait(mailbox)``: while
+    the wait is on, one frame queued with the same mark (nothing issued since; typically the request's
+    ``signal`` right after its last ``signal_layer``) is handed to ``mailbox.append(bytes)`` and written
+    right after the batch; ``mailbox.close()`` (after the wait) says how much of it was.
+    """
 
     def __init__(self, cm: CommManager, conn: FramedSocket, link: OutboundLink, info: PeerInfo) -> None:
         self.cm = cm
@@ -658,13 +766,25 @@ class _Outbound:
         self.one_sided = cm.capabilities.one_sided
         self._lock = threading.Lock()
         self._put_lock = threading.Lock()
+        self._send_order = threading.Lock()  # held by whoever takes queued frames and sends them: order kept
         self._failed: dict[SeqId, KVTransportError] = {}
         self._error: KVTransportError | None = None
         self._delivery_error: KVTransportError | None = None  # a queued signal could not be delivered
         self._closed = False
-        self._queue: queue.Queue[tuple[FrameType, bytes] | None] = queue.Queue()
-        self._pending = 0
+        self._stopping = False
+        self._items: list[tuple[FrameType, bytes, Any]] = []  # queued frames with the link's mark
+        self._pending = 0  # frames queued or being delivered
         self._idle = threading.Condition(self._lock)
+        self._wake = threading.Condition(self._lock)
+        mark, landed = getattr(link, "mark", None), getattr(link, "landed", None)
+        self._mark: Any = mark if callable(mark) and callable(landed) else None
+        self._landed: Any = landed if self._mark is not None else None
+        flush_and_send = getattr(link, "flush_and_send", None)
+        self._flush_and_send_fn: Any = flush_and_send if callable(flush_and_send) else None
+        self._parking = _Parking()
+        self._signaller_idle = False
+        self._inflight: tuple[Any, Any] | None = None  # (mailbox, mark) of the batch the backend is flushing
+        self._inflight_extra: list[tuple[FrameType, bytes, Any]] = []  # frames added to that mailbox
         self._reader = cm._spawn(self._read_loop, f"kvt-out-{info.instance[:6]}")
         if self.one_sided:
             self._signaller = cm._spawn(self._signal_loop, f"kvt-sig-{info.instance[:6]}")
@@ -692,6 +812,9 @@ class _Outbound:
                 err = TransferError(f"{self.cm.backend} put failed: {type(exc).__name__}: {exc}")
                 self._fail_link(err)
                 raise err from exc
+        if self._items and self._landed is not None:  # earlier signals whose puts landed meanwhile
+            self._deliver_landed()
+        self._parking.after_call(end_of_burst=False)
 
     def mark_failed(self, seq: SeqId, exc: KVTransportError) -> None:
         with self._lock:
@@ -708,25 +831,87 @@ class _Outbound:
     def signal(self, seq: SeqId, layer: int | None) -> None:
         self._check(seq)
         self._control(FrameType.SIGNAL, wire.encode_signal(seq, layer))
+        if self.one_sided:
+            self._parking.after_call(end_of_burst=layer is None)
 
     def cancel(self, seq: SeqId) -> None:
         with self._put_lock:
             self.mark_failed(seq, SequenceAborted(f"sequence {seq!r} was cancelled by the sender"))
         self._control(FrameType.CANCEL, wire.encode_cancel(seq))
+        if self.one_sided:
+            self._parking.after_call(end_of_burst=True)
 
     def control(self, kind: FrameType, payload: bytes) -> None:
         """Queue a frame in order with signals (see ``_control``)."""
         self._control(kind, payload)
 
     def _control(self, kind: FrameType, payload: bytes) -> None:
-        """Send a frame that must arrive after every earlier put has landed (one-sided: flush first,
-        on the signaller thread; two-sided: the side channel's order is enough)."""
-        if self.one_sided:
-            with self._lock:
-                self._pending += 1
-            self._queue.put((kind, payload))
-        else:
+        """Send a frame that must arrive after every earlier put has landed (one-sided: queued with the
+        link's mark, see the class docstring; two-sided: the side channel's order is enough)."""
+        if not self.one_sided:
             self.conn.send(kind, payload)
+            return
+        token = self._mark() if self._mark is not None else None
+        with self._lock:
+            self._pending += 1
+            fl = self._inflight
+            if (fl is not None and not self._items and not self._inflight_extra and fl[1] == token
+                    and fl[0].append(wire.frame(kind, payload))):
+                # nothing issued since the batch being flushed: this frame leaves right after it
+                self._inflight_extra.append((kind, payload, token))
+                return
+            self._items.append((kind, payload, token))
+        if not self._deliver_landed():
+            with self._lock:
+                if self._signaller_idle:
+                    self._signaller_idle = False
+                    self._parking.unpark()  # it needs the interpreter to start (the caller may yield)
+                self._wake.notify()
+
+    def _landed_count(self, items: list[tuple[FrameType, bytes, Any]]) -> int:
+        """How many of ``items``, from the oldest, follow only puts known to have landed. Non-blocking."""
+        landed = self._landed
+        n = 0
+        if landed is not None:
+            for item in items:
+                if not landed(item[2]):
+                    break
+                n += 1
+        return n
+
+    def _deliver_landed(self) -> bool:
+        """On the caller's thread: send the queued frames whose puts have landed, unless another thread is
+        delivering. Never waits for a put. Returns True when nothing is left queued."""
+        if self._landed is None or not self._send_order.acquire(blocking=False):
+            return False
+        try:
+            with self._lock:
+                if self._error is not None or self._closed:
+                    return False  # the signaller accounts for them
+                n = self._landed_count(self._items)
+                batch = self._items[:n]
+                del self._items[:n]
+                empty = not self._items
+            if batch:
+                self._send(batch)
+            return empty
+        finally:
+            self._send_order.release()
+
+    def _send(self, batch: list[tuple[FrameType, bytes, Any]]) -> None:
+        """Write ``batch`` in one go (under ``_send_order``) and account for it, delivered or not."""
+        try:
+            if self._error is None:
+                self.conn.send_many([(k, p) for k, p, _ in batch])
+            else:
+                self._delivery_error = self._error
+        except KVTransportError as exc:
+            self._delivery_error = exc
+            self._fail_link(exc)
+        finally:
+            with self._lock:
+                self._pending -= len(batch)
+                self._idle.notify_all()
 
     def flush(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -746,43 +931,115 @@ class _Outbound:
                 raise CommClosed("link to peer closed")
             if self._pending:
                 raise self._error or PeerDisconnected("link to peer lost")
-        if not self.one_sided:
+        if self.one_sided:
+            # puts issued after the last signal (or without one) must have landed too
+            if not self._send_order.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise TransferTimeout(f"puts to {self.conn.peer_label} not flushed in {timeout:.3g}s")
+            try:
+                self._flush_link(max(0.001, deadline - time.monotonic()))
+            finally:
+                self._send_order.release()
+        else:
             with self._put_lock:  # the link's own bookkeeping is not shared between threads
                 self.link.flush(max(0.001, deadline - time.monotonic()))
+
+    def _flush_link(self, timeout: float) -> None:
+        try:
+            self.link.flush(timeout)
+        except KVTransportError:
+            raise
+        except Exception as exc:  # a backend that leaked its library's error: still a typed error
+            raise TransferError(f"{self.cm.backend} flush failed: {type(exc).__name__}: {exc}") from exc
 
     def forget(self, seq: SeqId) -> None:
         with self._lock:
             self._failed.pop(seq, None)
 
     def _signal_loop(self) -> None:
-        """Flush once for every batch of queued signals, then send them together (order kept)."""
-        while True:
-            batch = [self._queue.get()]
+        """Deliver queued frames: flush once for every batch, then send it in one write (order kept)."""
+        try:
             while True:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            stop = None in batch
-            items = [b for b in batch if b is not None]
-            try:
-                if items and self._error is None:
-                    self.link.flush(self.cm.settings.timeout)
-                    self.conn.send_many(items)
-                elif items:
-                    self._delivery_error = self._error
-            except KVTransportError as exc:
-                self._delivery_error = exc
-                self._fail_link(exc)
-            except Exception as exc:  # never let the signaller die silently
-                self._delivery_error = TransferError(f"{self.cm.backend} flush failed: {type(exc).__name__}: {exc}")
-                self._fail_link(self._delivery_error)
-            finally:
                 with self._lock:
-                    self._pending -= len(items)
-                    self._idle.notify_all()
-            if stop:
-                return
+                    while not self._items and not self._stopping:
+                        self._signaller_idle = True
+                        self._parking.park()
+                        self._wake.wait()
+                    self._signaller_idle = False
+                    if not self._items:
+                        return  # stopping, and nothing left
+                self._parking.unpark()
+                if not self._send_order.acquire(blocking=False):
+                    self._parking.park()  # blocked on a caller that is delivering or flushing: nothing to yield to
+                    self._send_order.acquire()
+                    self._parking.unpark()
+                try:
+                    with self._lock:
+                        batch, self._items = self._items, []
+                    if batch:
+                        self._flush_and_send(batch)
+                finally:
+                    self._send_order.release()
+        finally:
+            self._parking.park()  # nobody waits for a signaller that is gone
+
+    def _flush_and_send(self, batch: list[tuple[FrameType, bytes, Any]]) -> None:
+        sent = False
+        extra: list[tuple[FrameType, bytes, Any]] = []
+        try:
+            if self._error is None and self._landed_count(batch) < len(batch):
+                timeout = self.cm.settings.timeout
+                fs = self._flush_and_send_fn
+                if fs is not None:  # the backend writes the batch the moment the puts land (class docstring)
+                    token = batch[-1][2]
+
+                    def on_wait(mailbox: Any) -> None:
+                        with self._lock:
+                            self._inflight = (mailbox, token)
+
+                    def write(fd: int, data: bytes) -> tuple[bytes, int]:
+                        try:
+                            n = int(fs(timeout, fd, data, self._parking, on_wait))
+                        finally:
+                            self._parking.unpark()
+                            with self._lock:  # no frame joins this batch any more
+                                fl, self._inflight = self._inflight, None
+                                extra[:], self._inflight_extra = self._inflight_extra, []
+                            more, more_sent = fl[0].close() if fl is not None else (None, 0)
+                        if more is None:
+                            return data, n
+                        return data + more, n + more_sent if n == len(data) else n
+
+                    self.conn.send_prepared(b"".join(wire.frame(k, p) for k, p, _ in batch), write)
+                    sent = True
+                else:
+                    self._parking.park()  # a backend's own wait: callers need not yield to us meanwhile
+                    try:
+                        self._flush_link(timeout)
+                    finally:
+                        self._parking.unpark()
+                if self._landed is not None:  # frames queued during the flush that it covered: sent now too
+                    with self._lock:
+                        n = self._landed_count(self._items)
+                        more_items = self._items[:n]
+                        del self._items[:n]
+                    if sent:
+                        if more_items:
+                            self._send(more_items)
+                    else:
+                        batch += more_items
+        except KVTransportError as exc:
+            self._delivery_error = exc
+            self._fail_link(exc)
+        except Exception as exc:  # never let the signaller die silently
+            self._delivery_error = TransferError(f"{self.cm.backend} flush failed: {type(exc).__name__}: {exc}")
+            self._fail_link(self._delivery_error)
+        batch += extra
+        if sent:
+            with self._lock:
+                self._pending -= len(batch)
+                self._idle.notify_all()
+        else:
+            self._send(batch)
 
     def _read_loop(self) -> None:
         try:
@@ -817,8 +1074,9 @@ class _Outbound:
             if self._closed:
                 return
             self._closed = True
+            self._stopping = True
             self._idle.notify_all()
-        self._queue.put(None)
+            self._wake.notify_all()
         self.conn.close()
         try:
             self.link.close()

@@ -123,6 +123,33 @@ class SequenceTable:
                 st.layers.update(range(self.num_layers))
                 self._cond.notify_all()
 
+    def mark_many(
+        self, events: list[tuple[SeqId, int | None]], *, peer: str | None = None
+    ) -> list[tuple[SeqId, int | None, SlotsExhausted]]:
+        """Apply several landed events in order: ``(seq_id, layer)`` as :meth:`mark_layer`, ``(seq_id, None)``
+        as :meth:`mark_complete`; one lock round and one wake-up for all. Returns the events refused for want
+        of a slot, with their error (the others are applied)."""
+        refused: list[tuple[SeqId, int | None, SlotsExhausted]] = []
+        changed = False
+        with self._cond:
+            for seq_id, layer in events:
+                try:
+                    st = self._remote_slot(seq_id, peer)
+                except SlotsExhausted as exc:
+                    refused.append((seq_id, layer, exc))
+                    continue
+                if st is None or st.finished:
+                    continue
+                if layer is None:
+                    st.complete = True
+                    st.layers.update(range(self.num_layers))
+                else:
+                    st.layers.add(layer)
+                changed = True
+            if changed:
+                self._cond.notify_all()
+        return refused
+
     def fail(self, seq_id: SeqId, error: KVTransportError) -> None:
         """Fail ``seq_id`` if it is in the table and not finished."""
         with self._cond:

@@ -458,8 +458,13 @@ def library_path() -> str:
 
 # --------------------------------------------------------------------------- batch helper
 _HELPER_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ucp_batch.c")
+_HELPER_SYMBOLS = ("kvt_put_batch", "kvt_put_batch_rel", "kvt_progress_until", "kvt_wait_query", "kvt_after_append",
+                   "kvt_after_close")
 _helper: Any = None
 _helper_tried = False
+_helper_lib: ctypes.CDLL | None = None
+_helper_lib_tried = False
+_helper_lib_lock = threading.Lock()
 
 
 def _cache_dir() -> str:
@@ -469,51 +474,74 @@ def _cache_dir() -> str:
     return base
 
 
+def _has_symbols(lib: ctypes.CDLL, names: Sequence[str]) -> bool:
+    return all(hasattr(lib, n) for n in names)
+
+
+def _helper_library() -> ctypes.CDLL | None:
+    """The compiled helper (install-time build, else compiled once per source hash); None on failure."""
+    global _helper_lib, _helper_lib_tried
+    with _helper_lib_lock:
+        if _helper_lib_tried:
+            return _helper_lib
+        _helper_lib_tried = True
+        if os.environ.get("KVTRANSPORT_UCX_NO_C_HELPER") == "1":
+            return None
+        import glob
+
+        prebuilt = None
+        built = sorted(glob.glob(os.path.join(os.path.dirname(_HELPER_SRC), "_ucp_batch_ext*.so")))
+        try:
+            if built:  # compiled at install time (setup.py); an older build may lack newer entry points
+                prebuilt = ctypes.CDLL(built[0])
+                if _has_symbols(prebuilt, _HELPER_SYMBOLS):
+                    _helper_lib = prebuilt
+                    return _helper_lib
+            with open(_HELPER_SRC, "rb") as fh:
+                src = fh.read()
+            tag = hashlib.sha1(src + sys.platform.encode() + (sysconfig.get_config_var("MULTIARCH") or "").encode())
+            out_dir = _cache_dir()
+            so_path = os.path.join(out_dir, f"_ucp_batch-{tag.hexdigest()[:16]}.so")
+            if not os.path.exists(so_path):
+                cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+                if shutil.which(cc) is None:
+                    cc = "cc"
+                os.makedirs(out_dir, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+                os.close(fd)
+                try:
+                    subprocess.run(
+                        [cc, "-O2", "-shared", "-fPIC", "-o", tmp, _HELPER_SRC],
+                        check=True,
+                        capture_output=True,
+                        timeout=60,
+                    )
+                    os.replace(tmp, so_path)  # atomic: concurrent builders are fine
+                finally:
+                    if os.path.exists(tmp):
+                        os.unlink(tmp)
+            _helper_lib = ctypes.CDLL(so_path)
+        except (OSError, subprocess.SubprocessError) as e:
+            _helper_lib = prebuilt  # an older install-time build still serves put_batch
+            warnings.warn(
+                f"kvtransport_ucx: C helper unavailable ({e}); "
+                + ("waits" if prebuilt is not None else "put_batch and waits") + " fall back to Python loops",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return _helper_lib
+
+
 def _load_helper() -> Any:
-    """Compile (once, cached by source hash) and load the C batch helper; None on failure."""
+    """The C batch-put function (see _ucp_batch.c); None when it cannot be built."""
     global _helper, _helper_tried
     if _helper_tried:
         return _helper
     _helper_tried = True
-    if os.environ.get("KVTRANSPORT_UCX_NO_C_HELPER") == "1":
-        return None
+    lib = _helper_library()
     try:
-        import glob
-
-        built = sorted(glob.glob(os.path.join(os.path.dirname(_HELPER_SRC), "_ucp_batch_ext*.so")))
-        if built:  # compiled at install time (setup.py)
-            _helper = _bind_helper(ctypes.CDLL(built[0]))
-            return _helper
-        with open(_HELPER_SRC, "rb") as fh:
-            src = fh.read()
-        tag = hashlib.sha1(src + sys.platform.encode() + (sysconfig.get_config_var("MULTIARCH") or "").encode())
-        out_dir = _cache_dir()
-        so_path = os.path.join(out_dir, f"_ucp_batch-{tag.hexdigest()[:16]}.so")
-        if not os.path.exists(so_path):
-            cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
-            if shutil.which(cc) is None:
-                cc = "cc"
-            os.makedirs(out_dir, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-            os.close(fd)
-            try:
-                subprocess.run(
-                    [cc, "-O2", "-shared", "-fPIC", "-o", tmp, _HELPER_SRC],
-                    check=True,
-                    capture_output=True,
-                    timeout=60,
-                )
-                os.replace(tmp, so_path)  # atomic: concurrent builders are fine
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-        _helper = _bind_helper(ctypes.CDLL(so_path))
-    except (OSError, subprocess.SubprocessError, AttributeError) as e:
-        warnings.warn(
-            f"kvtransport_ucx: C batch helper unavailable ({e}); put_batch falls back to a Python loop",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        _helper = _bind_helper(lib) if lib is not None else None
+    except AttributeError:
         _helper = None
     return _helper
 
@@ -536,6 +564,137 @@ def _bind_helper(h: ctypes.CDLL) -> Any:
         ctypes.POINTER(ctypes.c_int64),
     ]
     return f
+
+
+class After(ctypes.Structure):
+    """What the helper's waits do when they end (see ``struct kvt_after`` in _ucp_batch.c).
+
+    ``parked`` (optional): an int32 the helper sets to 0 just before it returns, i.e. when the calling thread
+    is about to need the interpreter again, after storing the time of that in ``since`` (an int64, ns of
+    CLOCK_MONOTONIC like ``time.monotonic_ns()``). ``yield_flag`` (optional): a progress loop returns early once it
+    is nonzero. ``fd``/``buf``/``len``: on success, the helper writes the bytes to the socket ``fd`` before it
+    returns (``sent``: bytes written, or -errno); then whatever another thread added through the
+    :class:`Mailbox` while the wait was on."""
+
+    _fields_ = [
+        ("parked", ctypes.POINTER(ctypes.c_int32)),
+        ("since", ctypes.POINTER(ctypes.c_int64)),
+        ("yield_flag", ctypes.POINTER(ctypes.c_int32)),
+        ("fd", ctypes.c_int32),
+        ("buf", ctypes.c_char_p),
+        ("len", c_u64),
+        ("sent", ctypes.c_int64),
+        ("mbox", ctypes.c_int32),
+        ("extra", ctypes.c_char_p),
+        ("extra_len", c_u64),
+        ("extra_sent", ctypes.c_int64),
+    ]
+
+    @classmethod
+    def make(
+        cls, *, parked: Any = None, since: Any = None, yield_flag: Any = None, fd: int = -1, data: bytes = b""
+    ) -> After:
+        a = cls()
+        if parked is not None:
+            a.parked = ctypes.pointer(parked)
+        if since is not None:
+            a.since = ctypes.pointer(since)
+        if yield_flag is not None:
+            a.yield_flag = ctypes.pointer(yield_flag)
+        a.fd = fd
+        a.buf = data or None
+        a.len = len(data)
+        a.mbox = MBOX_CLOSED
+        return a
+
+
+MBOX_OPEN, MBOX_CLOSED, MBOX_FULL = 0, 1, 2
+
+
+class Mailbox:
+    """The one-slot mailbox of a wait in progress: another thread may have bytes written right after the
+    wait's own (e.g. a signal queued behind the batch being flushed, with nothing issued in between).
+    ``append`` and ``close`` must be serialised by the caller; ``close`` once the wait has returned."""
+
+    def __init__(self, after: After) -> None:
+        self._after = after
+        self._extra: bytes | None = None
+
+    def open(self) -> None:
+        self._after.mbox = MBOX_OPEN
+
+    def append(self, data: bytes) -> bool:
+        """Have ``data`` written after the wait's bytes; False when the wait ended or the slot is taken."""
+        h = wait_helpers()
+        if h is None or self._extra is not None or not data:
+            return False
+        self._extra = data  # kept alive until close()
+        if h.after_append(ctypes.byref(self._after), data, len(data)):
+            return True
+        self._extra = None
+        return False
+
+    def close(self) -> tuple[bytes | None, int]:
+        """Close the slot; returns (the appended bytes or None, how many of them the wait wrote)."""
+        h = wait_helpers()
+        prev = int(h.after_close(ctypes.byref(self._after))) if h is not None else MBOX_CLOSED
+        extra, self._extra = self._extra, None
+        if extra is None or prev == MBOX_FULL:  # never appended, or the wait never got to it
+            return extra, 0
+        return extra, max(0, int(self._after.extra_sent))
+
+
+class _WaitHelpers:
+    """The helper's newer entry points: puts from offset tables, GIL-free loops (see _ucp_batch.c)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.put_batch_rel = lib.kvt_put_batch_rel
+        self.put_batch_rel.restype = ctypes.c_int64
+        self.put_batch_rel.argtypes = [c_vp, c_vp, c_vp, c_vp, c_vp, c_vp, c_vp, c_vp, c_u64, c_u64, ctypes.c_size_t,
+                                       ctypes.POINTER(ctypes.c_int64)]
+        self.progress_until = lib.kvt_progress_until
+        self.progress_until.restype = ctypes.c_int64
+        self.progress_until.argtypes = [c_vp, c_vp, c_vp, c_vp, c_u64, c_u64, ctypes.POINTER(c_u64),
+                                        ctypes.POINTER(After)]
+        self.wait_query = lib.kvt_wait_query
+        self.wait_query.restype = ctypes.c_int64
+        self.wait_query.argtypes = [c_vp, c_vp, ctypes.c_int64, c_u64, c_u64, c_u64, ctypes.POINTER(After)]
+        self.after_append = lib.kvt_after_append
+        self.after_append.restype = ctypes.c_int32
+        self.after_append.argtypes = [ctypes.POINTER(After), ctypes.c_char_p, c_u64]
+        self.after_close = lib.kvt_after_close
+        self.after_close.restype = ctypes.c_int32
+        self.after_close.argtypes = [ctypes.POINTER(After)]
+
+
+_wait_helpers_obj: _WaitHelpers | None = None
+_wait_helpers_tried = False
+
+
+def wait_helpers() -> _WaitHelpers | None:
+    """The GIL-free wait loops of the C helper, or None (then callers loop in Python)."""
+    global _wait_helpers_obj, _wait_helpers_tried
+    if not _wait_helpers_tried:
+        lib = _helper_library()
+        if lib is not None and _has_symbols(lib, _HELPER_SYMBOLS[1:]):
+            _wait_helpers_obj = _WaitHelpers(lib)
+        _wait_helpers_tried = True
+    return _wait_helpers_obj
+
+
+def wait_query(
+    fn_addr: int, handle: int, not_ready: int, *, spin_s: float, sleep_s: float, timeout_s: float,
+    after: After | None = None,
+) -> int | None:
+    """Poll the C function at ``fn_addr`` with ``handle`` (e.g. ``cuEventQuery(event)``) until it stops returning
+    ``not_ready``, spinning ``spin_s`` and then sleeping ``sleep_s`` between polls, for up to ``timeout_s``; all
+    in one foreign call that releases the GIL (then ``after``, see :class:`After`). Returns the last result, or
+    None without the C helper."""
+    h = wait_helpers()
+    if h is None:
+        return None
+    return int(h.wait_query(fn_addr, handle, not_ready, int(spin_s * 1e9), int(sleep_s * 1e9),
+                            int(max(0.0, timeout_s) * 1e9), ctypes.byref(after) if after is not None else None))
 
 
 def batch_impl() -> Literal["c", "python"]:
@@ -569,6 +728,28 @@ def _as_u64(values: U64Array, name: str) -> tuple[Any, int, int]:
         return mv, 0, 0
     carr = (ctypes.c_uint64 * n).from_buffer(mv)
     return (mv, carr), ctypes.addressof(carr), n
+
+
+class PreparedSegments:
+    """Segments as (local offset, remote offset, length) uint64 tables, converted once, for repeated
+    :meth:`UcpEndpoint.put_batch_rel` calls with different base addresses."""
+
+    def __init__(self, local_offsets: U64Array, remote_offsets: U64Array, lengths: U64Array) -> None:
+        self._keep_l, self.p_local, n = _as_u64(local_offsets, "local_offsets")
+        self._keep_r, self.p_remote, nr = _as_u64(remote_offsets, "remote_offsets")
+        self._keep_n, self.p_lens, nl = _as_u64(lengths, "lengths")
+        if not n == nr == nl:
+            raise ValueError(f"segment tables differ in length: {n}, {nr}, {nl}")
+        self.n = n
+
+    def absolute(self, local_base: int, remote_base: int) -> tuple[array[int], array[int], array[int]]:
+        """The tables with the bases added (modulo 2**64)."""
+        mask = (1 << 64) - 1
+        loc = (ctypes.c_uint64 * self.n).from_address(self.p_local) if self.n else []
+        rem = (ctypes.c_uint64 * self.n).from_address(self.p_remote) if self.n else []
+        lens = (ctypes.c_uint64 * self.n).from_address(self.p_lens) if self.n else []
+        return (array("Q", [(local_base + x) & mask for x in loc]), array("Q", [(remote_base + x) & mask for x in rem]),
+                array("Q", list(lens)))
 
 
 class _Handle:
@@ -767,6 +948,7 @@ class UcpWorker(_Handle):
         self._endpoints: list[UcpEndpoint] = []
         self._efd: int | None = None
         self._address: bytes | None = None
+        self._progress_fns: tuple[int | None, int | None] | None = None
         p = _UcpWorkerParams()
         p.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE
         p.thread_mode = UCS_THREAD_MODE_MULTI if multi_thread else UCS_THREAD_MODE_SINGLE
@@ -846,6 +1028,59 @@ class UcpWorker(_Handle):
             self.progress()
             return True
         return False
+
+    def progress_until(
+        self, request: int, budget_s: float, *, idle_s: float | None = None, after: After | None = None
+    ) -> tuple[bool, int]:
+        """Progress until ``request`` (from e.g. :meth:`UcpEndpoint.flush_nb`) completes, or ``budget_s`` passed,
+        or no round progressed anything for ``idle_s`` (default: the budget), or ``after.yield_flag`` was set.
+
+        Returns (completed, events progressed); on completion performs ``after`` (see :class:`After`). The
+        request stays the caller's (:meth:`request_free` it); raises UcpError if it failed. Runs in C without
+        the GIL when the helper is available, so one call costs one GIL hand-off however many rounds it takes.
+        """
+        lib = self._lib
+        idle = budget_s if idle_s is None else idle_s
+        h = wait_helpers()
+        if h is not None:
+            if self._progress_fns is None:
+                self._progress_fns = (
+                    ctypes.cast(lib.worker_progress, c_vp).value,
+                    ctypes.cast(lib.request_check_status, c_vp).value,
+                )
+            prog, check = self._progress_fns
+            events = c_u64(0)
+            st = int(h.progress_until(prog, check, self._handle(), request, max(0, int(budget_s * 1e9)),
+                                      max(0, int(idle * 1e9)), ctypes.byref(events),
+                                      ctypes.byref(after) if after is not None else None))
+            made = events.value
+        else:
+            now = time.monotonic()
+            end, idle_end = now + budget_s, now + idle
+            made = 0
+            while True:
+                n = lib.worker_progress(self._handle())
+                made += n
+                st = lib.request_check_status(request)
+                now = time.monotonic()
+                if n:
+                    idle_end = now + idle
+                if st != UCS_INPROGRESS or now >= end or now >= idle_end:
+                    break
+                if after is not None and after.yield_flag and after.yield_flag[0]:
+                    break
+            if after is not None and after.parked:
+                if after.since:
+                    after.since[0] = time.monotonic_ns()
+                after.parked[0] = 0
+        if st == UCS_INPROGRESS:
+            return False, made
+        lib.check(st, "ucp request")
+        return True, made
+
+    def request_free(self, request: int) -> None:
+        """``ucp_request_free``: release a request (an incomplete one completes in the background)."""
+        self._lib.request_free(request)
 
     def signal(self) -> None:
         """Wake up a thread sleeping in :meth:`wait_for_events` (thread-safe per UCX)."""
@@ -966,6 +1201,7 @@ class UcpEndpoint(_Handle):
         self._param0_ref = ctypes.byref(self._param0)
         self._put_fn_addr = ctypes.cast(lib.put_nbx, c_vp).value
         self._free_fn_addr = ctypes.cast(lib.request_free, c_vp).value
+        self._param0_addr = ctypes.addressof(self._param0)
 
     @property
     def worker(self) -> UcpWorker:
@@ -1058,6 +1294,38 @@ class UcpEndpoint(_Handle):
         """
         req = self._lib.ep_flush_nbx(self._handle(), self._param0_ref)
         _wait_request(self._worker, req, timeout_s, "ucp_ep_flush_nbx")
+
+    def put_batch_rel(self, segs: PreparedSegments, local_base: int, remote_base: int, rkey: UcpRkey) -> None:
+        """Non-blocking: put every segment of ``segs``, at ``local_base``/``remote_base`` plus its offsets.
+
+        One foreign call (the C helper) however many segments; same buffer rules and errors as
+        :meth:`put_batch` (puts before a failing one were issued).
+        """
+        if segs.n == 0:
+            return
+        h = wait_helpers()
+        if h is None or _load_helper() is None:
+            loc, rem, lens = segs.absolute(local_base, remote_base)
+            self.put_batch(loc, rem, lens, rkey)
+            return
+        err = ctypes.c_int64(0)
+        mask = (1 << 64) - 1
+        done = h.put_batch_rel(self._put_fn_addr, self._free_fn_addr, self._handle(), rkey._handle(),
+                               self._param0_addr, segs.p_local, segs.p_remote, segs.p_lens,
+                               local_base & mask, remote_base & mask, segs.n, ctypes.byref(err))
+        if done != segs.n:
+            raise UcpError(f"ucp_put_nbx failed at batch index {done}: {self._lib.status_string(err.value)}", err.value)
+
+    def flush_nb(self) -> int | None:
+        """Start a flush of every earlier put/atomic on this endpoint (non-blocking).
+
+        Returns None when everything had already completed, else a request to drive with
+        :meth:`UcpWorker.progress_until` and release with :meth:`UcpWorker.request_free`.  Raises UcpError.
+        """
+        req = self._lib.ep_flush_nbx(self._handle(), self._param0_ref)
+        if req is not None and req >= (1 << 64) + UCS_ERR_LAST:
+            self._raise_ptr(req, "ucp_ep_flush_nbx")
+        return req  # type: ignore[no-any-return]
 
     def atomic_add64(self, remote_addr: int, rkey: UcpRkey, value: int, timeout_s: float = 30.0) -> None:
         """Post an atomic 64-bit add at ``remote_addr`` (8-byte aligned).

@@ -6,7 +6,8 @@ maps the receiver's KV memory once (``cuIpcOpenMemHandle`` with lazy peer access
 per put on the caller's current stream — ordered after the kernels that produced the KV — where each
 CTA copies one chunk of at most ``CHUNK`` bytes with 16-byte loads and stores (NVLink stores into the
 peer GPU, or plain stores when both processes share one GPU). ``flush`` waits on an event recorded after
-the last launch.
+the last launch: it spins for ``SPIN_S`` and then sleeps ``SLEEP_S`` between polls, in one foreign call
+that releases the GIL (the C helper), so a busy interpreter thread does not stretch the wait.
 
 Needs the CUDA driver (ctypes) and CuPy (to compile and launch the kernel); without CuPy the backend
 falls back to UCX puts and says so in the path it reports.
@@ -14,8 +15,10 @@ falls back to UCX puts and says so in the path it reports.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import ctypes
+import logging
 import threading
 import time
 from typing import Any
@@ -24,8 +27,16 @@ import numpy as np
 
 from kvtransport.errors import TransferError, TransferTimeout
 
+from . import _ucp
+
 CHUNK = 64 << 10
 """Largest piece one CTA copies; longer segments are split so a big contiguous put fills the GPU."""
+SPIN_S = 50e-6
+"""A flush polls the copy's event without sleeping this long (copies of a layer often end within it)."""
+SLEEP_S = 20e-6
+"""... and then sleeps this long between polls (plus the kernel's timer slack)."""
+CUDA_ERROR_NOT_READY = 600
+log = logging.getLogger("kvtransport.ucx")
 
 _KERNEL = r"""
 extern "C" __global__ void kvt_segment_copy(const unsigned long long* __restrict__ segs, int n,
@@ -68,6 +79,10 @@ class _Driver:
         self.close_handle.argtypes = [u64]
         self.error_string = lib.cuGetErrorString
         self.error_string.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        self.event_query = lib.cuEventQuery
+        self.event_query.restype = ctypes.c_int
+        self.event_query.argtypes = [ctypes.c_void_p]
+        self.event_query_addr = ctypes.cast(self.event_query, ctypes.c_void_p).value
 
     def check(self, rc: int, what: str) -> None:
         if rc != 0:
@@ -130,16 +145,19 @@ class PeerMapping:
             self.close()
             raise
         rows.sort()
+        self._rows = rows
+        self._row_starts = [r[0] for r in rows]
         self.starts = np.array([r[0] for r in rows], dtype=np.uint64)
         self.ends = np.array([r[1] for r in rows], dtype=np.uint64)
         self.local = np.array([r[2] for r in rows], dtype=np.uint64)
 
     def translate_range(self, remote: int, nbytes: int) -> int:
         """Local pointer for the peer range ``[remote, remote + nbytes)``, which must lie in one extent."""
-        i = int(np.searchsorted(self.starts, np.uint64(remote), side="right")) - 1
-        if i < 0 or remote + nbytes > int(self.ends[i]):
+        i = bisect.bisect_right(self._row_starts, remote) - 1  # plain ints: this runs once per put
+        if i < 0 or remote + nbytes > self._rows[i][1]:
             raise TransferError("a put targets memory outside the peer's registered KV cache")
-        return int(self.local[i]) + (remote - int(self.starts[i]))
+        start, _, local = self._rows[i]
+        return local + (remote - start)
 
     def translate(self, remote: np.ndarray, lens: np.ndarray) -> np.ndarray:
         idx = np.searchsorted(self.starts, remote, side="right") - 1
@@ -166,6 +184,7 @@ class SegmentCopier:
             self.kernel = cupy.RawKernel(_KERNEL, "kvt_segment_copy")
             self.kernel.compile()
         self.last_event: Any = None
+        self._c_wait = True  # wait in C through the driver's cuEventQuery (see flush)
         self.inflight: collections.deque[tuple[Any, Any]] = collections.deque()  # tables used by launched kernels
         self._streams: dict[int, Any] = {}
 
@@ -187,10 +206,11 @@ class SegmentCopier:
         with self.cupy.cuda.Device(self.device_index), self._stream():
             return self.cupy.asarray(table), len(lens)
 
-    def launch(self, table: Any, n: int, src_base: int = 0, dst_base: int = 0) -> None:
+    def launch(self, table: Any, n: int, src_base: int = 0, dst_base: int = 0) -> Any:
         """One kernel: segment i copies ``len`` bytes from ``src_base + src_i`` to ``dst_base + dst_i``.
 
-        Runs on torch's current stream (after the kernels that produced the KV). Non-blocking."""
+        Runs on torch's current stream (after the kernels that produced the KV). Non-blocking; returns the
+        event recorded after the kernel (pass it to :meth:`flush`)."""
         cupy = self.cupy
         stream = self._stream()
         with cupy.cuda.Device(self.device_index), stream:
@@ -201,18 +221,37 @@ class SegmentCopier:
             self.inflight.popleft()
         self.inflight.append((event, table))
         self.last_event = event
+        return event
 
-    def flush(self, timeout: float) -> None:
-        event = self.last_event
+    def flush(self, timeout: float, event: Any = None, after: Any = None) -> None:
+        """Wait until ``event`` (default: the last launch's) completed; bounded by ``timeout``. ``after``
+        (a ``_ucp.After``): what the wait does when it ends, in the same foreign call (see there)."""
+        event = self.last_event if event is None else event
         if event is None:
             return
-        start = time.monotonic()
-        deadline = start + timeout
-        while not event.done:
-            now = time.monotonic()
-            if now > deadline:
-                raise TransferTimeout(f"CUDA IPC copy did not finish within {timeout:.3g}s")
-            time.sleep(0 if now - start < 0.002 else 50e-6)  # yield the GIL; sleep once it takes longer
+        drv = driver()
+        deadline = time.monotonic() + timeout
+        rc = None
+        if drv.event_query_addr and self._c_wait:
+            with self.cupy.cuda.Device(self.device_index):  # the driver call below needs the context current
+                rc = _ucp.wait_query(drv.event_query_addr, int(event.ptr), CUDA_ERROR_NOT_READY,
+                                     spin_s=SPIN_S, sleep_s=SLEEP_S, timeout_s=timeout, after=after)
+            if rc not in (None, 0, CUDA_ERROR_NOT_READY):  # let CuPy's own query decide (it raises real errors)
+                log.warning("CUDA IPC: cuEventQuery returned %d; waiting through CuPy from now on", rc)
+                self._c_wait = False
+                rc = None
+        if rc is None:  # no C helper: the same loop in Python (each poll and sleep hands the GIL over)
+            start = time.monotonic()
+            while not event.done:
+                now = time.monotonic()
+                if now > deadline:
+                    rc = CUDA_ERROR_NOT_READY
+                    break
+                time.sleep(0 if now - start < SPIN_S else SLEEP_S)
+            else:
+                rc = 0
+        if rc == CUDA_ERROR_NOT_READY:
+            raise TransferTimeout(f"CUDA IPC copy did not finish within {timeout:.3g}s")
 
 
 def _split(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -4,19 +4,29 @@ Each manager owns one UCP context and worker. Its KV memory is registered once (
 extent of the layout) and the packed remote keys travel in ``cm.metadata()``. A sender creates an endpoint
 from the receiver's worker address (no error-handling mode, so UCX may pick shared memory/CMA or
 cuda_ipc inside a host instead of TCP; peer failure is detected by the core's side channel) and issues
-all segments of a put with one ``put_batch`` call (a C loop). ``flush`` waits for remote completion; the
-core then sends the signal. A progress thread sleeping on the worker's event fd serves the paths that
-need the target to progress (TCP between hosts); it costs no CPU while idle.
+all segments of a put with one C call (``put_batch_rel``: a request's segment table is built once and each
+layer only adds its base addresses). ``flush`` waits for remote completion; the core then sends the
+signal. A progress thread sleeping on the worker's event fd serves the paths that need the target to
+progress (TCP between hosts); it costs no CPU while idle.
+
+Completion path (see kvtransport.manager._Outbound): the link tells the core what has landed without
+waiting (``mark``/``landed``), so a signal whose puts landed leaves from the caller's thread; small host
+puts land before ``put`` returns (INLINE_PUT_BYTES); ``flush_and_send`` waits in C without the GIL —
+UCX progress for host memory (returning at once when a put waits for the worker), the copy's CUDA event
+for the IPC path — and writes the signal batch to the side channel from that same call.
 """
 
 from __future__ import annotations
 
 import bisect
+import ctypes
 import logging
 import os
 import select
 import threading
+import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,6 +59,17 @@ from . import _ucp
 log = logging.getLogger("kvtransport.ucx")
 OPTIONS = ("tls",)
 SLOW_LANES = ("tcp",)
+PLANS = 16
+"""Per link: how many distinct runs objects (requests in flight) keep their precomputed segment plan."""
+FLUSH_SPIN_S = 2e-3
+"""How long a flush keeps progressing without any event before it sleeps on the worker's event fd."""
+INLINE_PUT_BYTES = 256 << 10
+"""A host put this small, with nothing else in flight, lands before ``put`` returns: shared-memory and CMA
+lanes copy inside worker progress, and handing that to the signaller thread (two thread wake-ups and a
+lock hand-off, ~0.1-0.3 ms on a busy 2-core machine) costs more than the copy (~15 us for 64 KiB). Its
+signal then leaves from the caller's thread at once. Larger puts stay asynchronous (overlap)."""
+INLINE_BUDGET_S = 0.5e-3
+"""... unless that copy takes longer than this (then the signaller's flush finishes it)."""
 
 
 class UcxTransport(Transport):
@@ -73,6 +94,13 @@ class UcxTransport(Transport):
             notes="UCX RMA put (shm/cma/cuda_ipc in a host; rc/dc with a verbs UCX; tcp otherwise)",
         )
         self.lock = threading.RLock()  # the worker is single-threaded: every call goes through this lock
+        # A flush progresses the worker in C while holding the lock; a put that finds the lock taken raises
+        # put_waiting (the C loop returns at once), and the flush lets it in before it continues.
+        self.put_waiting = ctypes.c_int32(0)
+        self._waiters = 0
+        self._waiters_lock = threading.Lock()
+        self.lock_wanted = threading.Event()
+        self.lock_taken = threading.Event()
         try:
             self.ctx = _ucp.UcpContext(net_devices=settings.ifname, tls=tls, enable_cuda=self.cuda)
             self.worker = self.ctx.create_worker()
@@ -105,6 +133,27 @@ class UcxTransport(Transport):
             "pid": os.getpid(),
             "ipc": self.ipc_exports,
         }
+
+    def acquire_for_put(self) -> None:
+        """Take the worker lock, asking a flush that holds it to let us in."""
+        if self.lock.acquire(blocking=False):
+            return
+        with self._waiters_lock:
+            self._waiters += 1
+            self.put_waiting.value = 1
+        self.lock_wanted.set()
+        self.lock.acquire()
+        with self._waiters_lock:
+            self._waiters -= 1
+            self.put_waiting.value = int(self._waiters > 0)
+        self.lock_taken.set()
+
+    def yield_to_put(self) -> None:
+        """Called by a flush between two progress calls, without the lock: let a waiting put in first."""
+        if self.lock_wanted.is_set():
+            self.lock_wanted.clear()
+            self.lock_taken.wait(0.001)
+            self.lock_taken.clear()
 
     def copier(self) -> Any:
         """The shared CUDA IPC segment copier (compiled on first use); raises if CuPy is missing."""
@@ -242,35 +291,112 @@ class _UcxOutLink(OutboundLink):
                 log.warning("ucx: CUDA IPC kernel path unavailable (%s); using UCX puts (%s)", exc, self.lanes)
         if self.ipc is not None:
             self.lanes = "cuda-ipc kernel"
-            self.uniform = _uniform(tr.layout) and _uniform(peer.layout)
-            self._plan_runs: Any = None  # the runs the cached plan belongs to (held: identity stays valid)
-            self._plan: Any = None
+        # Layers with one geometry (vLLM caches) share a segment plan per request: the manager hands every
+        # layer of a request the same runs object, so the plan is derived once and each put only adds the
+        # layer's base addresses.
+        self.uniform = _uniform(tr.layout) and _uniform(peer.layout)
+        self._plans: OrderedDict[int, tuple[Sequence[BlockRun], Any]] = OrderedDict()
+        self._lbases = [layer.planes[0].base for layer in tr.layout.layers]
+        self._rbases = [layer.planes[0].base for layer in peer.layout.layers]
+        # completion bookkeeping for mark()/landed(): puts issued, and how many of them a flush saw land
+        self._issued = 0
+        self._landed = 0
+        self._last_event: Any = None  # CUDA IPC: the event recorded after this link's last launch
         self.slow = all(tl in SLOW_LANES for tl in names) and bool(names)
+        self.inline_puts = not self.slow and self.ipc is None  # see INLINE_PUT_BYTES
         if self.slow:
             log.warning("ucx: the peer is reached over %s only (the slow path): check UCX_TLS, NET_IFNAME and, "
                         "between hosts, whether a verbs-enabled UCX is installed (KVTRANSPORT_UCX_LIBDIR)", self.lanes)
         else:
             log.info("ucx: lanes to peer: %s", self.lanes)
 
+    def _plan(self, runs: Sequence[BlockRun], make: Any) -> Any:
+        """The cached plan of ``runs`` (by identity; the runs object is held so its id stays valid)."""
+        key = id(runs)
+        hit = self._plans.get(key)
+        if hit is not None and hit[0] is runs:
+            self._plans.move_to_end(key)
+            return hit[1]
+        plan = make(runs)
+        self._plans[key] = (runs, plan)
+        while len(self._plans) > PLANS:
+            self._plans.popitem(last=False)
+        return plan
+
+    def _host_plan(self, runs: Sequence[BlockRun]) -> tuple[_ucp.PreparedSegments, int, int, int]:
+        """Layer-relative segments of a put (ready for put_batch_rel), the relative span of its destination,
+        and its size in bytes."""
+        l0, r0 = self.tr.layout.layers[0], self.remote_layout.layers[0]
+        src, dst, lens = _segments(l0, r0, runs)
+        src_rel = src - np.uint64(l0.planes[0].base)  # modulo 2**64: adding the base back is exact
+        dst_rel = dst - np.uint64(r0.planes[0].base)
+        signed = dst.astype(np.int64) - r0.planes[0].base
+        lo = int(signed.min())
+        hi = int((signed + lens.astype(np.int64)).max())
+        return _ucp.PreparedSegments(src_rel, dst_rel, lens), lo, hi, int(lens.sum())
+
     def put(self, layer: int, runs: Sequence[BlockRun]) -> None:
         if self.ipc is not None:
             self._put_ipc(layer, runs)
             return
+        if self.uniform:
+            segs, lo, hi, nbytes = self._plan(runs, self._host_plan)
+            rbase = self._rbases[layer]
+            first = self.remote.index(rbase + lo, 0)
+            if rbase + hi <= self.remote.ends[first]:  # the usual case: one backing buffer, one remote key
+                self.tr.acquire_for_put()
+                try:
+                    idle = self._landed == self._issued
+                    self._issued += 1  # before issuing: a put that fails half-way is still flushed
+                    self.ep.put_batch_rel(segs, self._lbases[layer], rbase, self.remote.rkeys[first])
+                    if idle and nbytes <= INLINE_PUT_BYTES and self.inline_puts:
+                        self._land_inline()
+                except _ucp.UcpError as exc:
+                    raise PeerDisconnected(f"ucx put failed: {exc}") from None
+                finally:
+                    self.tr.lock.release()
+                return
         src, dst, lens = _segments(self.tr.layout.layers[layer], self.remote_layout.layers[layer], runs)
         first = self.remote.index(int(dst.min()), 0)
         last = self.remote.index(int(dst.max()), 0)
-        with self.tr.lock:
-            try:
-                if first == last:  # the usual case: one backing buffer, one remote key
-                    self.remote.index(int((dst + lens).max()) - 1, 1)
-                    self.ep.put_batch(src, dst, lens, self.remote.rkeys[first])
-                else:
-                    which = np.array([self.remote.index(int(d), int(n)) for d, n in zip(dst, lens, strict=True)])
-                    for i in np.unique(which):
-                        m = which == i
-                        self.ep.put_batch(src[m], dst[m], lens[m], self.remote.rkeys[int(i)])
-            except _ucp.UcpError as exc:
-                raise PeerDisconnected(f"ucx put failed: {exc}") from None
+        self.tr.acquire_for_put()
+        try:
+            self._issued += 1
+            if first == last:
+                self.remote.index(int((dst + lens).max()) - 1, 1)
+                self.ep.put_batch(src, dst, lens, self.remote.rkeys[first])
+            else:
+                which = np.array([self.remote.index(int(d), int(n)) for d, n in zip(dst, lens, strict=True)])
+                for i in np.unique(which):
+                    m = which == i
+                    self.ep.put_batch(src[m], dst[m], lens[m], self.remote.rkeys[int(i)])
+        except _ucp.UcpError as exc:
+            raise PeerDisconnected(f"ucx put failed: {exc}") from None
+        finally:
+            self.tr.lock.release()
+
+    def _land_inline(self) -> None:
+        """Progress (in C, without the GIL; the worker lock held) until the put just issued landed, for at
+        most INLINE_BUDGET_S. See INLINE_PUT_BYTES."""
+        target = self._issued
+        req = self.ep.flush_nb()
+        if req is None:
+            self._landed = target
+            return
+        try:
+            done, _ = self.ep.worker.progress_until(req, INLINE_BUDGET_S)
+            if done:
+                self._landed = max(self._landed, target)
+        finally:
+            self.ep.worker.request_free(req)
+
+    def _ipc_plan(self, runs: Sequence[BlockRun]) -> tuple[Any, int, int]:
+        l0, r0 = self.tr.layout.layers[0], self.remote_layout.layers[0]
+        src, dst, lens = _segments(l0, r0, runs)
+        src_rel = src - np.uint64(l0.planes[0].base)
+        dst_rel = dst - np.uint64(r0.planes[0].base)
+        span = int((dst_rel + lens).max())
+        return (*self.copier.upload(src_rel, dst_rel, lens), span)
 
     def _put_ipc(self, layer: int, runs: Sequence[BlockRun]) -> None:
         """One kernel launch per put. Layers with one geometry share a device-side table of offsets,
@@ -279,31 +405,108 @@ class _UcxOutLink(OutboundLink):
         if not self.uniform:
             src, dst, lens = _segments(local, remote, runs)
             table, n = self.copier.upload(src, self.ipc.translate(dst, lens), lens)
-            self.copier.launch(table, n)
+            self._last_event = self.copier.launch(table, n)
             return
-        if runs is not self._plan_runs:
-            l0, r0 = self.tr.layout.layers[0], self.remote_layout.layers[0]
-            src, dst, lens = _segments(l0, r0, runs)
-            src_rel = src - np.uint64(l0.planes[0].base)
-            dst_rel = dst - np.uint64(r0.planes[0].base)
-            span = int((dst_rel + lens).max())
-            self._plan = (*self.copier.upload(src_rel, dst_rel, lens), span)
-            self._plan_runs = runs
-        table, n, span = self._plan
-        dst_base = self.ipc.translate_range(remote.planes[0].base, span)
-        self.copier.launch(table, n, local.planes[0].base, dst_base)
+        table, n, span = self._plan(runs, self._ipc_plan)
+        dst_base = self.ipc.translate_range(self._rbases[layer], span)
+        self._last_event = self.copier.launch(table, n, self._lbases[layer], dst_base)
+
+    def mark(self) -> Any:
+        """A token for everything issued so far (see :meth:`landed`). Non-blocking."""
+        return self._last_event if self.ipc is not None else self._issued
+
+    def landed(self, token: Any) -> bool:
+        """Whether everything issued before ``token`` was taken has landed, as far as is known without
+        progressing or waiting (False when unsure). Non-blocking."""
+        if self.ipc is not None:
+            try:
+                return token is None or bool(token.done)
+            except Exception:  # a CUDA error: let flush report it, typed
+                return False
+        return bool(token <= self._landed)
 
     def flush(self, timeout: float) -> None:
+        self.flush_and_send(timeout)
+
+    def flush_and_send(
+        self, timeout: float, fd: int = -1, data: bytes = b"", parking: Any = None, on_wait: Any = None
+    ) -> int:
+        """Flush; then, in the same GIL-free call that saw the puts land, write ``data`` to the socket ``fd``.
+
+        Returns how many bytes of ``data`` were written (the caller writes the rest: 0 when the flush had
+        nothing to wait for, or without the C helper). ``parking`` (the manager's, optional): its
+        ``park()`` is called before each wait without the GIL, and the wait sets its ``since`` (ns) and
+        clears its ``flag`` when the thread needs the interpreter again (see kvtransport.manager._Parking). ``on_wait(mailbox)`` is
+        called before such a wait starts: another thread may ``mailbox.append(bytes)`` to have them written
+        right after ``data`` (the caller closes it after this returns; see ``_ucp.Mailbox``)."""
+        flag = parking.flag if parking is not None else None
+        since = parking.since if parking is not None else None
+        after = _ucp.After.make(parked=flag, since=since, fd=fd, data=data)
+        gil_free = _ucp.wait_helpers() is not None
         if self.ipc is not None:
-            self.copier.flush(timeout)
-            return
-        with self.tr.lock:
+            event = self._last_event
+            if event is None:
+                return 0
+            if gil_free and on_wait is not None:
+                box = _ucp.Mailbox(after)
+                box.open()
+                on_wait(box)
+            if parking is not None:
+                parking.park()
+            self.copier.flush(timeout, event, after)
+            return max(0, int(after.sent))
+        tr = self.tr
+        deadline = time.monotonic() + timeout
+        with tr.lock:
+            target = self._issued
+            if target == self._landed:
+                return 0
             try:
-                self.ep.flush(timeout)
-            except TimeoutError:
-                raise TransferTimeout(f"ucx flush did not complete within {timeout:.3g}s (peer stalled?)") from None
+                req = self.ep.flush_nb()
             except _ucp.UcpError as exc:
                 raise PeerDisconnected(f"ucx flush failed: {exc}") from None
+        after.yield_flag = ctypes.pointer(tr.put_waiting)
+        try:
+            if req is not None:
+                if gil_free and on_wait is not None:
+                    box = _ucp.Mailbox(after)
+                    box.open()
+                    on_wait(box)
+                self._wait(req, deadline, timeout, after, parking)
+        finally:
+            if req is not None:
+                with tr.lock:
+                    self.ep.worker.request_free(req)
+        with tr.lock:
+            self._landed = max(self._landed, target)
+        return max(0, int(after.sent))
+
+    def _wait(self, req: int, deadline: float, timeout: float, after: Any, parking: Any) -> None:
+        """Drive a flush request to completion: progress in C for as long as it moves data (returning at
+        once when a put waits for the worker, which then goes first), then sleep on the worker's event fd
+        while it waits for the peer (TCP lanes need the target to progress)."""
+        tr = self.tr
+        worker = self.ep.worker
+        try:
+            while True:
+                now = time.monotonic()
+                if parking is not None:
+                    parking.park()
+                with tr.lock:
+                    done, made = worker.progress_until(req, max(0.0, deadline - now), idle_s=FLUSH_SPIN_S, after=after)
+                if done:
+                    return
+                now = time.monotonic()
+                if now >= deadline:
+                    raise TransferTimeout(f"ucx flush did not complete within {timeout:.3g}s (peer stalled?)")
+                if not made:  # nothing moved for FLUSH_SPIN_S: waiting on the peer, sleep until the worker has events
+                    with tr.lock:
+                        armed = worker.arm()
+                    if armed:
+                        _sleep_on(worker.fileno(), min(0.005, deadline - now))
+                tr.yield_to_put()
+        except _ucp.UcpError as exc:
+            raise PeerDisconnected(f"ucx flush failed: {exc}") from None
 
     def describe(self) -> str:
         return f"ucx {self.lanes}" + (" (slow path)" if self.slow else "")
@@ -311,17 +514,25 @@ class _UcxOutLink(OutboundLink):
     def close(self) -> None:
         if self.ipc is not None:
             try:
-                self.copier.flush(1.0)
+                self.copier.flush(1.0, self._last_event)
             except Exception:
                 pass
             self.ipc.close()
             self.ipc = None
+        self._plans.clear()
         with self.tr.lock, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a peer that already left resets the endpoint: expected here
             try:
                 self.ep.close(timeout_s=1.0)
             except _ucp.UcpError:
                 pass
+
+
+def _sleep_on(fd: int, timeout: float) -> None:
+    """Sleep until ``fd`` is readable or ``timeout`` passed (an armed worker's event fd)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    poller.poll(max(0, int(timeout * 1000)))
 
 
 class _UcxDialer(Dialer):
