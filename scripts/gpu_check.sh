@@ -46,17 +46,15 @@ if [ -n "${BENCH:-}" ]; then
     local name=$1 limit=$2; shift 2
     timeout "$limit" python3 -m kvtransport.cli bench --device cuda --out "$OUT/bench-$name" "$@" > "$OUT/bench-$name.log" 2>&1
     echo "bench $name: rc=$? ($limit s limit)"; grep -A12 "^\*\*Summary" "$OUT/bench-$name/table.md" 2>/dev/null | head -14
+    # one file per part (the device tool returns at most 8 files), packed as soon as the part ends
+    (cd "$OUT" && tar czf "bench-$name.tgz" "bench-$name" "bench-$name.log" 2>/dev/null && rm -rf "bench-$name" "bench-$name.log")
   }
   for p in ${BENCH_PARTS:-kv overlap sweep presets}; do
     case $p in
       kv) part kv 170 --workloads kv,latency --presets llama-3.1-8b --tokens 2048 --patterns contiguous,random ;;
       overlap) part overlap 110 --workloads overlap --presets llama-3.1-8b --tokens 2048,32768 ;;
-      sweep) part sweep 100 --workloads sweep ;;
-      presets) part presets 100 --workloads kv --presets llama-3.1-70b-tp8,qwen3-8b,deepseek-v3-mla --tokens 128,2048 --patterns random --reps-scale 0.5 ;;
+      sweep) part sweep 90 --workloads sweep ;;
+      presets) part presets 80 --workloads kv --presets llama-3.1-70b-tp8,qwen3-8b,deepseek-v3-mla --tokens 128,2048 --patterns random --reps-scale 0.5 ;;
     esac
   done
-fi
-# the device tool returns at most 8 files: pack everything when asked
-if [ -n "${PACK:-}" ]; then
-  (cd "$OUT" && tar czf /tmp/results.tgz . && rm -rf ./* && mv /tmp/results.tgz .)
 fi
