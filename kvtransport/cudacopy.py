@@ -132,6 +132,27 @@ class PeerWindows:
         return self.local[idx] + (remote - self.starts[idx])
 
 
+def allocation_extents(extents: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``extents`` cut at CUDA allocation boundaries (needs the device's context current, e.g. after
+    ``torch.cuda.set_device``). A layout's extents merge regions that are adjacent in the address space,
+    and the caching allocator hands out separate ``cudaMalloc`` blocks back to back; CUDA IPC maps and
+    RDMA registers one allocation at a time, so mapping a merged extent maps only its first allocation
+    (writes past it fault on the peer)."""
+    drv = _Driver()
+    out: list[tuple[int, int]] = []
+    for start, length in extents:
+        pos, end = start, start + length
+        while pos < end:
+            base, size = ctypes.c_uint64(), ctypes.c_size_t()
+            drv.check(drv.address_range(ctypes.byref(base), ctypes.byref(size), pos), "cuMemGetAddressRange")
+            stop = min(end, base.value + size.value)
+            if stop <= pos:
+                raise TransferError(f"CUDA reports an empty allocation at {pos:#x}")
+            out.append((pos, stop - pos))
+            pos = stop
+    return out
+
+
 class _Driver:
     """The CUDA driver calls of the launch path, through ctypes (each call releases the GIL, ~1 µs)."""
 
@@ -153,6 +174,9 @@ class _Driver:
         self.ctx_get.argtypes = [ctypes.POINTER(vp)]
         self.ctx_set = lib.cuCtxSetCurrent
         self.ctx_set.argtypes = [vp]
+        self.address_range = lib.cuMemGetAddressRange_v2
+        self.address_range.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+        self.address_range.restype = ctypes.c_int
         self._error_string = lib.cuGetErrorString
         self._error_string.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
 
@@ -350,14 +374,18 @@ class MappedPutter:
 
     def put(self, layer: int, runs: Sequence[BlockRun]) -> None:
         """Launch the copy of ``runs`` of ``layer``. Non-blocking."""
-        if not self.uniform:
-            src, dst, lens = segments(self.local.layers[layer], self.remote.layers[layer], runs)
-            table, n = self.copier.upload(src, self.windows.translate(dst, lens), lens)
-            self.last_event = self.copier.launch(table, n)
-            return
-        table, n, span = self._plan(runs)
-        dst_base = self.windows.translate_range(self._rbases[layer], span)
-        self.last_event = self.copier.launch(table, n, self._lbases[layer], dst_base)
+        if self.uniform:
+            table, n, span = self._plan(runs)
+            try:
+                dst_base = self.windows.translate_range(self._rbases[layer], span)
+            except TransferError:  # the layer's span crosses peer allocations: translate segment by segment
+                pass
+            else:
+                self.last_event = self.copier.launch(table, n, self._lbases[layer], dst_base)
+                return
+        src, dst, lens = segments(self.local.layers[layer], self.remote.layers[layer], runs)
+        table, n = self.copier.upload(src, self.windows.translate(dst, lens), lens)
+        self.last_event = self.copier.launch(table, n)
 
     def landed(self, mark: Mark | None) -> bool:
         """Whether the launch behind ``mark`` completed (False when unsure). Non-blocking."""

@@ -40,11 +40,11 @@ for b in ${BACKENDS:-mscclpp ucx nccl}; do
   grep -E "^kvtransport .* demo|^backend:|^transfer|^baseline|^verified|Error" "$OUT/demo-$b.txt"
 done
 # BENCH=1: `kvtransport bench` in parts, each in its own folder under a timeout (a part cut short loses only
-# itself); BENCH_PARTS picks parts (kv overlap sweep presets)
+# itself); BENCH_PARTS picks parts (kv overlap sweep presets), BENCH_ARGS adds options to each
 if [ -n "${BENCH:-}" ]; then
   part() {
     local name=$1 limit=$2; shift 2
-    timeout "$limit" python3 -m kvtransport.cli bench --device cuda --out "$OUT/bench-$name" "$@" > "$OUT/bench-$name.log" 2>&1
+    timeout "$limit" python3 -m kvtransport.cli bench --device cuda --out "$OUT/bench-$name" "$@" ${BENCH_ARGS:-} > "$OUT/bench-$name.log" 2>&1
     echo "bench $name: rc=$? ($limit s limit)"; grep -A12 "^\*\*Summary" "$OUT/bench-$name/table.md" 2>/dev/null | head -14
     # one file per part (the device tool returns at most 8 files), packed as soon as the part ends
     (cd "$OUT" && tar czf "bench-$name.tgz" "bench-$name" "bench-$name.log" 2>/dev/null && rm -rf "bench-$name" "bench-$name.log")

@@ -108,6 +108,9 @@ class MscclppTransport(Transport):
         torch.cuda.set_device(self.device_index)  # MSCCL++ uses the current device for its registrations
         self.layout = layout
         self.settings = settings
+        from kvtransport.cudacopy import allocation_extents
+
+        self.extents = allocation_extents(layout.extents())  # one registration per CUDA allocation
         self.build = native.build_info()
         self.ib_devices = native.ib_devices()
         self.capabilities = Capabilities(
@@ -140,13 +143,13 @@ class MscclppTransport(Transport):
         return self.m.CppTransportFlags(getattr(self.m.CppTransport, transport))
 
     def registrations(self, transport: str) -> list[Any]:
-        """Our KV extents registered for ``transport`` (once per transport, in ``layout.extents()`` order)."""
+        """Our KV extents registered for ``transport`` (once per transport, in ``self.extents`` order)."""
         with self._lock:
             regs = self._registrations.get(transport)
             if regs is None:
                 flags = self.transport_flag(transport)
                 try:
-                    regs = [self.ctx.register_memory(addr, length, flags) for addr, length in self.layout.extents()]
+                    regs = [self.ctx.register_memory(addr, length, flags) for addr, length in self.extents]
                 except Exception as exc:
                     raise native.translate(exc, f"memory registration for {transport}") from None
                 self._registrations[transport] = regs
@@ -216,7 +219,8 @@ class _Answer(Answer):
         self.transport = transport
         address = tr.settings.address
         self.unique_id = make_unique_id(address, free_port(address))
-        self.reply = {"unique_id": self.unique_id.hex(), "transport": transport, "extents": len(tr.layout.extents())}
+        self.reply = {"unique_id": self.unique_id.hex(), "transport": transport,
+                      "extents": [[addr, length] for addr, length in tr.extents]}
 
     def complete(self, timeout: float) -> InboundLink:
         tr = self.tr
@@ -256,11 +260,12 @@ class _Dialer(Dialer):
         tr = self.tr
         try:
             unique_id = bytes.fromhex(str(reply["unique_id"]))
-            nregs = int(reply["extents"])
+            extents = [(int(a), int(n)) for a, n in reply["extents"]]
         except (KeyError, ValueError, TypeError):
             raise IncompatiblePeer("mscclpp peer sent a malformed reply") from None
-        extents = self.peer.layout.extents()
-        if len(unique_id) != UNIQUE_ID_BYTES or nregs != len(extents) or reply.get("transport") != self.choice.transport:
+        nregs = len(extents)
+        covered = _covers(self.peer.layout.extents(), extents)
+        if len(unique_id) != UNIQUE_ID_BYTES or not covered or reply.get("transport") != self.choice.transport:
             raise IncompatiblePeer("mscclpp peer's reply does not match its layout or our transport")
         local_regs = tr.registrations(self.choice.transport) if self.choice.is_ib else []
         boot = tr.bootstrap(1, unique_id, timeout)
@@ -278,7 +283,7 @@ class _Dialer(Dialer):
                 raise IncompatiblePeer(f"mscclpp peer registered {remote.size()} bytes for an extent of {length} at {addr:#x}")
         keep = [boot, comm, conn, remotes, local_regs]
         if self.choice.is_ib:
-            return _IbOutLink(tr, self.peer, self.choice, conn, remotes, local_regs, keep)
+            return _IbOutLink(tr, self.peer, self.choice, conn, extents, remotes, local_regs, keep)
         from kvtransport.cudacopy import MappedPutter, PeerWindows
 
         windows = PeerWindows([(addr, length, remote.data()) for (addr, length), remote in zip(extents, remotes, strict=True)])
@@ -328,13 +333,14 @@ class _IbOutLink(OutboundLink):
     Not validated on InfiniBand hardware here (see module docstring)."""
 
     def __init__(self, tr: MscclppTransport, peer: PeerInfo, choice: routing.Choice, conn: Any,
-                 remotes: list[Any], local_regs: list[Any], keep: list[Any]) -> None:
+                 remote_extents: list[tuple[int, int]], remotes: list[Any], local_regs: list[Any],
+                 keep: list[Any]) -> None:
         self.tr = tr
         self.peer_layout = peer.layout
         self.choice = choice
         self.conn = conn
-        self.remote_rows = _Extents(peer.layout.extents(), remotes)
-        self.local_rows = _Extents(tr.layout.extents(), local_regs)
+        self.remote_rows = _Extents(remote_extents, remotes)
+        self.local_rows = _Extents(tr.extents, local_regs)
         self._keep = keep
 
     def put(self, layer: int, runs: Sequence[BlockRun]) -> None:
@@ -363,6 +369,22 @@ class _IbOutLink(OutboundLink):
     def close(self) -> None:
         self._keep = []
         self.conn = None
+
+
+def _covers(layout_extents: list[tuple[int, int]], pieces: list[tuple[int, int]]) -> bool:
+    """``pieces`` tile ``layout_extents`` exactly (the peer cut its extents at allocation boundaries)."""
+    flat = sorted((a, n) for a, n in pieces)
+    i = 0
+    for start, length in sorted(layout_extents):
+        pos, end = start, start + length
+        while pos < end:
+            if i >= len(flat) or flat[i][0] != pos or flat[i][1] <= 0:
+                return False
+            pos += flat[i][1]
+            i += 1
+        if pos != end:
+            return False
+    return i == len(flat)
 
 
 class _Extents:

@@ -105,7 +105,12 @@ class UcxTransport(Transport):
             self.ctx = _ucp.UcpContext(net_devices=settings.ifname, tls=tls, enable_cuda=self.cuda)
             self.worker = self.ctx.create_worker()
             mem_type = "cuda" if self.cuda else "host"
-            self.regions = [self.ctx.mem_map(addr, length, memory_type=mem_type) for addr, length in layout.extents()]
+            self.extents = layout.extents()
+            if self.cuda:  # one registration per CUDA allocation (a merged extent may span several)
+                from kvtransport.cudacopy import allocation_extents
+
+                self.extents = allocation_extents(self.extents)
+            self.regions = [self.ctx.mem_map(addr, length, memory_type=mem_type) for addr, length in self.extents]
         except _ucp.UcpError as exc:
             raise BackendUnavailable(f"ucx backend could not initialise: {exc} (check UCX_TLS / NET_IFNAME)") from None
         self.ipc_exports: list[list[Any]] = []
@@ -114,7 +119,7 @@ class UcxTransport(Transport):
             try:
                 from . import cudaipc
 
-                self.ipc_exports = cudaipc.export_extents(layout.extents())
+                self.ipc_exports = cudaipc.export_extents(self.extents)
             except Exception as exc:  # no driver access or an unusual allocator: UCX puts still work
                 self.ipc_note = f"CUDA IPC export failed ({exc}); using UCX puts"
                 log.warning("ucx: %s", self.ipc_note)
@@ -402,14 +407,18 @@ class _UcxOutLink(OutboundLink):
         """One kernel launch per put. Layers with one geometry share a device-side table of offsets,
         built once per request (the manager hands every layer the same runs object)."""
         local, remote = self.tr.layout.layers[layer], self.remote_layout.layers[layer]
-        if not self.uniform:
-            src, dst, lens = _segments(local, remote, runs)
-            table, n = self.copier.upload(src, self.ipc.translate(dst, lens), lens)
-            self._last_event = self.copier.launch(table, n)
-            return
-        table, n, span = self._plan(runs, self._ipc_plan)
-        dst_base = self.ipc.translate_range(self._rbases[layer], span)
-        self._last_event = self.copier.launch(table, n, self._lbases[layer], dst_base)
+        if self.uniform:
+            table, n, span = self._plan(runs, self._ipc_plan)
+            try:
+                dst_base = self.ipc.translate_range(self._rbases[layer], span)
+            except TransferError:  # the layer's span crosses peer allocations: translate segment by segment
+                pass
+            else:
+                self._last_event = self.copier.launch(table, n, self._lbases[layer], dst_base)
+                return
+        src, dst, lens = _segments(local, remote, runs)
+        table, n = self.copier.upload(src, self.ipc.translate(dst, lens), lens)
+        self._last_event = self.copier.launch(table, n)
 
     def mark(self) -> Any:
         """A token for everything issued so far (see :meth:`landed`). Non-blocking."""
