@@ -25,12 +25,13 @@ from typing import Any
 
 import numpy as np
 
+from kvtransport.cudacopy import CHUNK as CHUNK  # re-exported: the copy kernel's piece size
+from kvtransport.cudacopy import KERNEL as _KERNEL
+from kvtransport.cudacopy import split as _split
 from kvtransport.errors import TransferError, TransferTimeout
 
 from . import _ucp
 
-CHUNK = 64 << 10
-"""Largest piece one CTA copies; longer segments are split so a big contiguous put fills the GPU."""
 SPIN_S = 50e-6
 """A flush polls the copy's event without sleeping this long (copies of a layer often end within it)."""
 SLEEP_S = 20e-6
@@ -38,25 +39,6 @@ SLEEP_S = 20e-6
 CUDA_ERROR_NOT_READY = 600
 log = logging.getLogger("kvtransport.ucx")
 
-_KERNEL = r"""
-extern "C" __global__ void kvt_segment_copy(const unsigned long long* __restrict__ segs, int n,
-                                            unsigned long long src_base, unsigned long long dst_base) {
-    int i = blockIdx.x;
-    if (i >= n) return;
-    const unsigned long long src = src_base + segs[3 * i], dst = dst_base + segs[3 * i + 1], len = segs[3 * i + 2];
-    if (((src | dst | len) & 15ull) == 0) {
-        const int4* s = reinterpret_cast<const int4*>(src);
-        int4* d = reinterpret_cast<int4*>(dst);
-        const unsigned long long n16 = len >> 4;
-        for (unsigned long long k = threadIdx.x; k < n16; k += blockDim.x) d[k] = s[k];
-    } else {
-        const unsigned char* s = reinterpret_cast<const unsigned char*>(src);
-        unsigned char* d = reinterpret_cast<unsigned char*>(dst);
-        for (unsigned long long k = threadIdx.x; k < len; k += blockDim.x) d[k] = s[k];
-    }
-    __threadfence_system();
-}
-"""
 
 
 class _IpcHandle(ctypes.Structure):
@@ -254,13 +236,3 @@ class SegmentCopier:
             raise TransferTimeout(f"CUDA IPC copy did not finish within {timeout:.3g}s")
 
 
-def _split(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Split segments longer than CHUNK into CHUNK-sized pieces (vectorised)."""
-    if not (lens > CHUNK).any():
-        return src, dst, lens
-    pieces = ((lens + CHUNK - 1) // CHUNK).astype(np.int64)
-    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
-    k = (np.arange(int(pieces.sum())) - first).astype(np.uint64)
-    rep = lambda a: np.repeat(a, pieces)  # noqa: E731
-    off = k * np.uint64(CHUNK)
-    return rep(src) + off, rep(dst) + off, np.minimum(rep(lens) - off, np.uint64(CHUNK))

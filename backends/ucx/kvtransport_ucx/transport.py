@@ -44,6 +44,8 @@ from kvtransport.backend import (
 )
 from kvtransport.coalesce import BlockRun
 from kvtransport.config import Settings, host_id
+from kvtransport.cudacopy import segments as _segments
+from kvtransport.cudacopy import uniform as _uniform
 from kvtransport.errors import (
     BackendUnavailable,
     ConfigurationError,
@@ -52,7 +54,7 @@ from kvtransport.errors import (
     TransferError,
     TransferTimeout,
 )
-from kvtransport.layout import KVLayout, LayerRegion
+from kvtransport.layout import KVLayout
 
 from . import _ucp
 
@@ -210,16 +212,6 @@ class UcxTransport(Transport):
                 log.warning("ucx close: %s", exc)
 
 
-def _uniform(layout: KVLayout) -> bool:
-    """All layers have the same planes relative to their first plane (true for vLLM caches)."""
-    def shape(layer: LayerRegion) -> list[tuple[int, int, int]]:
-        b0 = layer.planes[0].base
-        return [(p.base - b0, p.block_stride, p.piece_bytes) for p in layer.planes]
-
-    first = shape(layout.layers[0])
-    return all(shape(layer) == first for layer in layout.layers[1:])
-
-
 def torch_device_index(device: str) -> int:
     import torch
 
@@ -244,26 +236,6 @@ class _RemoteRegions:
         if i < 0 or addr + nbytes > self.ends[i]:
             raise TransferError(f"remote range {addr:#x}+{nbytes} is outside the peer's registered memory")
         return i
-
-
-def _segments(local: LayerRegion, remote: LayerRegion, runs: Sequence[BlockRun]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Vectorised (src, dst, len) arrays of every contiguous copy of a put (see layout.iter_segments)."""
-    r = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
-    srcs, dsts, lens = [], [], []
-    for lp, rp in zip(local.planes, remote.planes, strict=True):
-        size = lp.piece_bytes
-        if lp.block_stride == size and rp.block_stride == size:
-            srcs.append(lp.base + r[:, 0] * size)
-            dsts.append(rp.base + r[:, 1] * size)
-            lens.append(r[:, 2] * size)
-        else:
-            counts = r[:, 2]
-            offs = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-            srcs.append(lp.base + (np.repeat(r[:, 0], counts) + offs) * lp.block_stride)
-            dsts.append(rp.base + (np.repeat(r[:, 1], counts) + offs) * rp.block_stride)
-            lens.append(np.full(len(offs), size, dtype=np.int64))
-    return (np.concatenate(srcs).astype(np.uint64), np.concatenate(dsts).astype(np.uint64),
-            np.concatenate(lens).astype(np.uint64))
 
 
 class _UcxOutLink(OutboundLink):
