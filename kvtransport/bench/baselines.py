@@ -299,7 +299,7 @@ def nixl_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     for item in cfg["items"]:
         if item["kind"] == "sweep":
             region, arrays = _sweep_region(agent, cfg, dev, None)
-            link.send_value(region.descs)
+            link.send_value((region.descs, agent.get_agent_metadata()))  # metadata after registering: it holds the keys
             sender = str(link.recv_value())
             for i, size in enumerate(cfg["sizes"]):
                 set_bytes(arrays[i], 0)
@@ -317,7 +317,7 @@ def nixl_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
             shape = item["shape"]
             cache = make_cache(_spec(shape), dev, None)
             region = _kv_region(agent, cache, dev)
-            link.send_value(region.descs)
+            link.send_value((region.descs, agent.get_agent_metadata()))  # metadata after registering: it holds the keys
             sender = str(link.recv_value())
             for case in item["cases"]:
                 _, dst = block_ids(case["pattern"], shape["request_blocks"], shape["pool_blocks"], cfg["seed"])
@@ -385,7 +385,12 @@ def nixl_sender(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     return done({"path": "nixl UCX"})
 
 
-def _nixl_prep(agent: Any, remote: str, region: _NixlRegion, remote_descs: list[Any], mem: str) -> tuple[Any, Any]:
+def _nixl_prep(agent: Any, remote: str, region: _NixlRegion, offer: Any, mem: str) -> tuple[Any, Any]:
+    """Prepared local and remote descriptor lists. ``offer`` is the receiver's (descs, metadata): metadata
+    taken after it registered the region (NIXL's metadata carries the remote keys of registered memory;
+    metadata from before registration makes ``prep_xfer_dlist`` fail with NIXL_ERR_NOT_FOUND)."""
+    remote_descs, metadata = offer
+    agent.add_remote_agent(bytes(metadata))
     lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", region.descs, mem)
     rh = agent.prep_xfer_dlist(remote, [tuple(d) for d in remote_descs], mem)
     return lh, rh
