@@ -83,7 +83,17 @@ class PeerInfo:
 
 
 class OutboundLink(ABC):
-    """Sender side of one peer link. Used from one thread at a time (the CommManager serialises)."""
+    """Sender side of one peer link. Used from one thread at a time (the CommManager serialises).
+
+    Optional completion hooks (looked up by name; a backend offers all of a pair or none):
+
+    * ``mark() -> token`` and ``landed(token) -> bool``, both non-blocking: a token for everything issued
+      so far, and whether all of it has landed as far as is known without waiting (False when unsure).
+      With them, a signal whose puts already landed is sent from the caller's thread instead of the
+      signaller thread (ucx, mscclpp).
+    * ``flush_and_send(timeout, fd, data, parking, on_wait) -> int``: flush, then write ``data`` to the side
+      channel's socket ``fd`` from the same GIL-free wait; returns the bytes written (ucx's C helper).
+    """
 
     @abstractmethod
     def put(self, layer: int, runs: Sequence[BlockRun]) -> None:
