@@ -43,6 +43,7 @@ from kvtransport.backend import (
 )
 from kvtransport.coalesce import BlockRun
 from kvtransport.config import Settings, host_id
+from kvtransport.cudacopy import MappedPutter, PeerWindows, SegmentCopier, allocation_extents, segments
 from kvtransport.errors import (
     BackendUnavailable,
     ConfigurationError,
@@ -93,9 +94,11 @@ class MscclppTransport(Transport):
             raise ConfigurationError("mscclpp option ib_index must be an integer") from None
         if opts:
             raise ConfigurationError(f"mscclpp backend: unknown options {sorted(opts)}; known: {', '.join(OPTIONS)}")
+        self.build = native.build_info()
+        self.ib_devices = native.ib_devices()
         if self.requested is not None and self.requested != routing.CUDA_IPC:  # say at open() if RDMA cannot work
-            routing.choose(same_host=False, requested=self.requested, ib_devices=native.ib_devices(),
-                           ib_compiled=native.build_info().ib_compiled)
+            routing.choose(same_host=False, requested=self.requested, ib_devices=self.ib_devices,
+                           ib_compiled=self.build.ib_compiled)
         if not layout.is_cuda:
             raise BackendUnavailable(
                 "mscclpp backend moves CUDA memory only; for host-memory KV caches use ucx or nccl (KV_TRANSPORT=auto)"
@@ -108,11 +111,7 @@ class MscclppTransport(Transport):
         torch.cuda.set_device(self.device_index)  # MSCCL++ uses the current device for its registrations
         self.layout = layout
         self.settings = settings
-        from kvtransport.cudacopy import allocation_extents
-
         self.extents = allocation_extents(layout.extents())  # one registration per CUDA allocation
-        self.build = native.build_info()
-        self.ib_devices = native.ib_devices()
         self.capabilities = Capabilities(
             one_sided=True,
             memory_kinds=frozenset({"cuda"}),
@@ -159,8 +158,6 @@ class MscclppTransport(Transport):
         with self._lock:
             if self._copier is None:
                 try:
-                    from kvtransport.cudacopy import SegmentCopier
-
                     self._copier = SegmentCopier(self.device_index)
                 except ImportError as exc:
                     raise BackendUnavailable(f"mscclpp CudaIpc puts need CuPy to launch the copy kernel: {exc}") from None
@@ -284,8 +281,6 @@ class _Dialer(Dialer):
         keep = [boot, comm, conn, remotes, local_regs]
         if self.choice.is_ib:
             return _IbOutLink(tr, self.peer, self.choice, conn, extents, remotes, local_regs, keep)
-        from kvtransport.cudacopy import MappedPutter, PeerWindows
-
         windows = PeerWindows([(addr, length, remote.data()) for (addr, length), remote in zip(extents, remotes, strict=True)])
         return _IpcOutLink(MappedPutter(tr.layout, self.peer.layout, windows, tr.copier()), self.choice, keep)
 
@@ -344,8 +339,6 @@ class _IbOutLink(OutboundLink):
         self._keep = keep
 
     def put(self, layer: int, runs: Sequence[BlockRun]) -> None:
-        from kvtransport.cudacopy import segments
-
         src, dst, lens = segments(self.tr.layout.layers[layer], self.peer_layout.layers[layer], runs)
         try:
             for s, d, n in zip(src.tolist(), dst.tolist(), lens.tolist(), strict=True):
