@@ -296,3 +296,53 @@ def test_wait_then_write_with_a_mailbox():
     finally:
         a.close()
         b.close()
+
+
+def test_cuda_ipc_wait_in_c_outcomes():
+    """cudaipc.wait_in_c (the CUDA IPC flush): a query that turns ready sends the completion bytes from the
+    same C call (True); one that never does is a TransferTimeout; an unknown driver result falls back to the
+    copier's own wait and leaves the bytes to the caller (False). The query here stands in for cuEventQuery."""
+    import socket
+    import types
+
+    from kvtransport_ucx import _ucp, cudaipc
+
+    if _ucp.wait_helpers() is None:
+        pytest.skip("no C compiler for the helper")
+    state = {"rc": 600, "polls": 0}
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+    def query(handle):
+        state["polls"] += 1
+        return state["rc"] if state["polls"] > 3 else 600
+
+    fallback_waits: list[float] = []
+    copier = types.SimpleNamespace(
+        driver=types.SimpleNamespace(query=query),
+        enter_context=lambda: None,
+        leave_context=lambda prev: None,
+        wait=lambda mark, timeout: fallback_waits.append(timeout),
+    )
+    mark = types.SimpleNamespace(event=types.SimpleNamespace(ptr=1234))
+    a, b = socket.socketpair()
+    try:
+        state.update(rc=0, polls=0)
+        after = _ucp.After.make(fd=a.fileno(), data=b"done")
+        assert cudaipc.wait_in_c(copier, mark, 5.0, after) is True
+        assert after.sent == 4 and b.recv(16) == b"done" and not fallback_waits
+
+        state.update(rc=600, polls=0)
+        with pytest.raises(kt.TransferTimeout, match="CUDA IPC copy did not finish"):
+            cudaipc.wait_in_c(copier, mark, 0.01, _ucp.After.make(fd=a.fileno(), data=b"never"))
+
+        state.update(rc=999, polls=0)
+        after = _ucp.After.make(fd=a.fileno(), data=b"never")
+        assert cudaipc.wait_in_c(copier, mark, 5.0, after) is False
+        assert after.sent == 0 and fallback_waits == [5.0]
+        b.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            b.recv(16)
+        assert cudaipc.wait_in_c(copier, None, 5.0) is False  # nothing launched: nothing to wait for
+    finally:
+        a.close()
+        b.close()

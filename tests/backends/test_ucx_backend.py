@@ -49,7 +49,8 @@ def test_unknown_option_is_refused():
 
 def test_cuda_ipc_chunking_covers_every_byte():
     np = pytest.importorskip("numpy")
-    from kvtransport_ucx.cudaipc import CHUNK, _split
+    from kvtransport.cudacopy import CHUNK
+    from kvtransport.cudacopy import split as _split
 
     src = np.array([1000, 5 * CHUNK], dtype=np.uint64)
     dst = np.array([9000, 0], dtype=np.uint64)

@@ -745,11 +745,12 @@ class PreparedSegments:
     def absolute(self, local_base: int, remote_base: int) -> tuple[array[int], array[int], array[int]]:
         """The tables with the bases added (modulo 2**64)."""
         mask = (1 << 64) - 1
-        loc = (ctypes.c_uint64 * self.n).from_address(self.p_local) if self.n else []
-        rem = (ctypes.c_uint64 * self.n).from_address(self.p_remote) if self.n else []
-        lens = (ctypes.c_uint64 * self.n).from_address(self.p_lens) if self.n else []
+        def table(addr: int) -> list[int]:
+            return list((ctypes.c_uint64 * self.n).from_address(addr)) if self.n else []
+
+        loc, rem, lens = table(self.p_local), table(self.p_remote), table(self.p_lens)
         return (array("Q", [(local_base + x) & mask for x in loc]), array("Q", [(remote_base + x) & mask for x in rem]),
-                array("Q", list(lens)))
+                array("Q", lens))
 
 
 class _Handle:

@@ -28,7 +28,7 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -106,7 +106,7 @@ class UcxTransport(Transport):
         try:
             self.ctx = _ucp.UcpContext(net_devices=settings.ifname, tls=tls, enable_cuda=self.cuda)
             self.worker = self.ctx.create_worker()
-            mem_type = "cuda" if self.cuda else "host"
+            mem_type: Literal["host", "cuda"] = "cuda" if self.cuda else "host"
             self.extents = layout.extents()
             if self.cuda:  # one registration per CUDA allocation (a merged extent may span several)
                 from kvtransport.cudacopy import allocation_extents
@@ -166,7 +166,7 @@ class UcxTransport(Transport):
         """The shared CUDA IPC segment copier (compiled on first use); raises if CuPy is missing."""
         with self.lock:
             if self._copier is None:
-                from .cudaipc import SegmentCopier
+                from kvtransport.cudacopy import SegmentCopier
 
                 self._copier = SegmentCopier(torch_device_index(self.layout.device))
             return self._copier
@@ -254,17 +254,23 @@ class _UcxOutLink(OutboundLink):
                 raise PeerDisconnected(f"ucx could not reach the peer: {exc}") from None
         names = sorted({tl for tl, _ in lanes})
         self.lanes = ",".join(names) or "unknown"
-        self.ipc: Any = None
-        self.copier: Any = None
+        self.ipc: Any = None  # CUDA IPC: the peer's mapped KV memory (a cudaipc.PeerMapping)
+        self.copier: Any = None  # ... the transport's shared cudacopy.SegmentCopier
+        self.ipc_putter: Any = None  # ... and the cudacopy.MappedPutter that launches this link's puts
         if tr.cuda and info.get("memory") == "cuda" and info.get("host") == host_id() and info.get("ipc"):
             try:
+                from kvtransport.cudacopy import MappedPutter
+
                 from .cudaipc import PeerMapping
 
                 self.copier = tr.copier()
                 self.ipc = PeerMapping(info["ipc"], same_process=info.get("pid") == os.getpid())
+                self.ipc_putter = MappedPutter(tr.layout, peer.layout, self.ipc, self.copier)
                 names = ["cuda-ipc kernel"]
             except Exception as exc:  # CuPy missing, IPC refused: fall back to UCX puts, and say so
-                self.copier = None
+                if self.ipc is not None:
+                    self.ipc.close()
+                self.ipc = self.copier = self.ipc_putter = None
                 log.warning("ucx: CUDA IPC kernel path unavailable (%s); using UCX puts (%s)", exc, self.lanes)
         if self.ipc is not None:
             self.lanes = "cuda-ipc kernel"
@@ -278,7 +284,6 @@ class _UcxOutLink(OutboundLink):
         # completion bookkeeping for mark()/landed(): puts issued, and how many of them a flush saw land
         self._issued = 0
         self._landed = 0
-        self._last_event: Any = None  # CUDA IPC: the event recorded after this link's last launch
         self.slow = all(tl in SLOW_LANES for tl in names) and bool(names)
         self.inline_puts = not self.slow and self.ipc is None  # see INLINE_PUT_BYTES
         if self.slow:
@@ -313,8 +318,8 @@ class _UcxOutLink(OutboundLink):
         return _ucp.PreparedSegments(src_rel, dst_rel, lens), lo, hi, int(lens.sum())
 
     def put(self, layer: int, runs: Sequence[BlockRun]) -> None:
-        if self.ipc is not None:
-            self._put_ipc(layer, runs)
+        if self.ipc_putter is not None:
+            self.ipc_putter.put(layer, runs)  # one kernel launch; non-blocking
             return
         if self.uniform:
             segs, lo, hi, nbytes = self._plan(runs, self._host_plan)
@@ -367,43 +372,15 @@ class _UcxOutLink(OutboundLink):
         finally:
             self.ep.worker.request_free(req)
 
-    def _ipc_plan(self, runs: Sequence[BlockRun]) -> tuple[Any, int, int]:
-        l0, r0 = self.tr.layout.layers[0], self.remote_layout.layers[0]
-        src, dst, lens = _segments(l0, r0, runs)
-        src_rel = src - np.uint64(l0.planes[0].base)
-        dst_rel = dst - np.uint64(r0.planes[0].base)
-        span = int((dst_rel + lens).max())
-        return (*self.copier.upload(src_rel, dst_rel, lens), span)
-
-    def _put_ipc(self, layer: int, runs: Sequence[BlockRun]) -> None:
-        """One kernel launch per put. Layers with one geometry share a device-side table of offsets,
-        built once per request (the manager hands every layer the same runs object)."""
-        local, remote = self.tr.layout.layers[layer], self.remote_layout.layers[layer]
-        if self.uniform:
-            table, n, span = self._plan(runs, self._ipc_plan)
-            try:
-                dst_base = self.ipc.translate_range(self._rbases[layer], span)
-            except TransferError:  # the layer's span crosses peer allocations: translate segment by segment
-                pass
-            else:
-                self._last_event = self.copier.launch(table, n, self._lbases[layer], dst_base)
-                return
-        src, dst, lens = _segments(local, remote, runs)
-        table, n = self.copier.upload(src, self.ipc.translate(dst, lens), lens)
-        self._last_event = self.copier.launch(table, n)
-
     def mark(self) -> Any:
         """A token for everything issued so far (see :meth:`landed`). Non-blocking."""
-        return self._last_event if self.ipc is not None else self._issued
+        return self.ipc_putter.last_event if self.ipc_putter is not None else self._issued
 
     def landed(self, token: Any) -> bool:
         """Whether everything issued before ``token`` was taken has landed, as far as is known without
         progressing or waiting (False when unsure). Non-blocking."""
-        if self.ipc is not None:
-            try:
-                return token is None or bool(token.done)
-            except Exception:  # a CUDA error: let flush report it, typed
-                return False
+        if self.ipc_putter is not None:
+            return bool(self.ipc_putter.landed(token))
         return bool(token <= self._landed)
 
     def flush(self, timeout: float) -> None:
@@ -424,8 +401,10 @@ class _UcxOutLink(OutboundLink):
         since = parking.since if parking is not None else None
         after = _ucp.After.make(parked=flag, since=since, fd=fd, data=data)
         gil_free = _ucp.wait_helpers() is not None
-        if self.ipc is not None:
-            event = self._last_event
+        if self.ipc_putter is not None:
+            from .cudaipc import wait_in_c
+
+            event = self.ipc_putter.last_event
             if event is None:
                 return 0
             if gil_free and on_wait is not None:
@@ -434,8 +413,7 @@ class _UcxOutLink(OutboundLink):
                 on_wait(box)
             if parking is not None:
                 parking.park()
-            self.copier.flush(timeout, event, after)
-            return max(0, int(after.sent))
+            return max(0, int(after.sent)) if wait_in_c(self.copier, event, timeout, after) else 0
         tr = self.tr
         deadline = time.monotonic() + timeout
         with tr.lock:
@@ -493,13 +471,14 @@ class _UcxOutLink(OutboundLink):
         return f"ucx {self.lanes}" + (" (slow path)" if self.slow else "")
 
     def close(self) -> None:
-        if self.ipc is not None:
+        if self.ipc_putter is not None:
             try:
-                self.copier.flush(1.0, self._last_event)
+                self.ipc_putter.flush(1.0)
             except Exception:
                 pass
+            self.ipc_putter.close()
             self.ipc.close()
-            self.ipc = None
+            self.ipc = self.ipc_putter = None
         self._plans.clear()
         with self.tr.lock, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a peer that already left resets the endpoint: expected here
