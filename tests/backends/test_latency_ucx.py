@@ -82,7 +82,12 @@ def test_landed_signal_needs_no_flush_and_leaves_from_the_caller(pair):
     assert senders == [threading.current_thread().name]
 
 
-def test_a_small_put_lands_inline_and_its_signal_needs_no_thread(pair):
+def test_a_small_put_lands_inline_and_its_signal_needs_no_thread(pair, monkeypatch):
+    from kvtransport_ucx import transport
+
+    # What is checked is the route a small put takes, not the inline budget (0.5 ms): one preemption on a
+    # loaded CI VM would exceed it and hand the put to a flush, which this test forbids.
+    monkeypatch.setattr(transport, "INLINE_BUDGET_S", 5.0)
     s, r, src, dst = pair
     peer = s.connect(r.metadata())
     st = peer._state
@@ -121,14 +126,33 @@ def test_a_put_gets_the_worker_during_a_long_flush(helper_mode):
         if "cma" not in link.lanes:
             pytest.skip(f"lanes {link.lanes}: puts may complete without progress")
         worker = link.ep.worker
+        tr = link.tr
         in_flush = threading.Event()
         progress_until = worker.progress_until
 
         def spy(req, budget, **kw):
-            in_flush.set()
-            return progress_until(req, budget, **kw)
+            if not in_flush.is_set():
+                # Deterministic on a loaded VM: the flush's first progress call starts only once the put
+                # below is waiting for the worker (put_waiting is set before it blocks on the lock), so
+                # "the put got in before the flush ended" does not depend on thread wake-up times.
+                in_flush.set()
+                deadline = time.monotonic() + 10
+                while not tr.put_waiting.value and time.monotonic() < deadline:
+                    time.sleep(0.0005)
+            done, made = progress_until(req, budget, **kw)
+            if done:
+                flush_request_done.set()
+            return done, made
 
         worker.progress_until = spy
+        acquire_for_put = tr.acquire_for_put
+        flush_request_done = threading.Event()
+        got_worker_before_flush_ended: list[bool] = []
+
+        def judged_acquire() -> None:
+            acquire_for_put()  # the put holds the worker lock now: the flush cannot finish meanwhile
+            got_worker_before_flush_ended.append(not flush_request_done.is_set())
+
         ids = list(range(big.num_blocks))
         s.put_layer(peer, "big", 0, ids, ids)
         flushed = threading.Event()
@@ -144,11 +168,12 @@ def test_a_put_gets_the_worker_during_a_long_flush(helper_mode):
         t = threading.Thread(target=flusher)
         t.start()
         assert in_flush.wait(30)
+        tr.acquire_for_put = judged_acquire
         s.put_layer(peer, "big", 1, [0], [0])
-        put_done_during_flush = not flushed.is_set()
         t.join(60)
+        tr.acquire_for_put = acquire_for_put
         assert not errors
-        assert put_done_during_flush, "the put waited for the whole flush"
+        assert got_worker_before_flush_ended == [True], "the put waited for the whole flush"
         s.flush(peer, timeout=60)
         assert verify_transfer(dst, src, {0: list(zip(ids, ids, strict=True)), 1: [(0, 0)]}) == []
 
@@ -156,37 +181,45 @@ def test_a_put_gets_the_worker_during_a_long_flush(helper_mode):
 def test_completion_latency_has_no_gross_regression(pair):
     """Medians over 30 requests, in one process. A 2-core machine at load average 7 gave ~0.1-0.2 ms and
     ~0.6-1.8 ms; the bounds catch what costs milliseconds per signal (poll timeouts, sleeps in a wait loop,
-    Nagle, a lost wake-up waited out, a hand-off that waits for the interpreter's switch interval)."""
+    Nagle, a lost wake-up waited out, a hand-off that waits for the interpreter's switch interval).
+    Up to three rounds: a neighbour stealing the VM's CPUs for one round is noise, a regression fails all."""
     s, r, _, _ = pair
     peer = s.connect(r.metadata())
-    signal_to_wait, request = [], []
-    for i in range(31):
-        seq = f"lat{i}"
-        b = i % SPEC.num_blocks
-        t0 = time.monotonic()
-        for layer in range(SPEC.num_layers):
-            s.put_layer(peer, seq, layer, [b], [b])
-        s.flush(peer, timeout=30)
-        t1 = time.monotonic()
-        s.signal(peer, seq)
-        r.wait(seq, timeout=30)
-        signal_to_wait.append(time.monotonic() - t1)
-        r.release(seq)
-        seq = f"req{i}"
-        t0 = time.monotonic()
-        for layer in range(SPEC.num_layers):
-            s.put_layer(peer, seq, layer, [b], [b])
-            s.signal_layer(peer, seq, layer)
-        s.signal(peer, seq)
-        for layer in range(SPEC.num_layers):
-            r.wait_layer(seq, layer, timeout=30)
-        r.wait(seq, timeout=30)
-        request.append(time.monotonic() - t0)
-        r.release(seq)
-    lat, req = statistics.median(signal_to_wait[1:]), statistics.median(request[1:])
-    print(f"signal->wait median {lat * 1e6:.0f} us, {SPEC.num_layers}-layer request median {req * 1e6:.0f} us")
-    assert lat < 0.01, f"signal -> wait median {lat * 1e3:.1f} ms"
-    assert req < 0.025, f"{SPEC.num_layers}-layer request median {req * 1e3:.1f} ms"
+    rounds = []
+    for attempt in range(3):
+        signal_to_wait, request = [], []
+        for i in range(31):
+            seq = f"lat{attempt}.{i}"
+            b = i % SPEC.num_blocks
+            for layer in range(SPEC.num_layers):
+                s.put_layer(peer, seq, layer, [b], [b])
+            s.flush(peer, timeout=30)
+            t1 = time.monotonic()
+            s.signal(peer, seq)
+            r.wait(seq, timeout=30)
+            signal_to_wait.append(time.monotonic() - t1)
+            r.release(seq)
+            seq = f"req{attempt}.{i}"
+            t0 = time.monotonic()
+            for layer in range(SPEC.num_layers):
+                s.put_layer(peer, seq, layer, [b], [b])
+                s.signal_layer(peer, seq, layer)
+            s.signal(peer, seq)
+            for layer in range(SPEC.num_layers):
+                r.wait_layer(seq, layer, timeout=30)
+            r.wait(seq, timeout=30)
+            request.append(time.monotonic() - t0)
+            r.release(seq)
+        lat, req = statistics.median(signal_to_wait[1:]), statistics.median(request[1:])
+        print(f"signal->wait median {lat * 1e6:.0f} us, {SPEC.num_layers}-layer request median {req * 1e6:.0f} us")
+        rounds.append((lat, req))
+        if lat < 0.01 and req < 0.025:
+            return
+    raise AssertionError(
+        "signal -> wait / request medians over every round: "
+        + ", ".join(f"{lat * 1e3:.1f} ms / {req * 1e3:.1f} ms" for lat, req in rounds)
+        + f" (bounds 10 ms / 25 ms for a {SPEC.num_layers}-layer request)"
+    )
 
 
 def test_wait_query_runs_the_poll_loop_in_c():
@@ -224,22 +257,33 @@ def test_a_signal_queued_behind_a_flush_leaves_with_it(helper_mode):
         if "cma" not in st.link.lanes:
             pytest.skip(f"lanes {st.link.lanes}: puts may complete without progress")
         ids = list(range(big.num_blocks))
-        joined = 0
-        for attempt in range(5):
-            seq = f"m{attempt}"
-            s.put_layer(peer, seq, 0, ids, ids)
-            s.signal_layer(peer, seq, 0)
-            deadline = time.monotonic() + 10
-            while st._inflight is None and time.monotonic() < deadline:
-                time.sleep(0.0002)
-            s.signal(peer, seq)
-            joined += bool(st._inflight_extra)
-            r.wait(seq, timeout=30)
-            s.flush(peer, timeout=30)
-            assert st._pending == 0
-            r.release(seq)
-            if joined:
-                break
+        # Deterministic: the signaller's wait is held open (after its mailbox opened, before the wait in C
+        # starts) until signal() has run, instead of racing a poll loop against a few-ms flush.
+        real_fs = st._flush_and_send_fn
+        entered, release = threading.Event(), threading.Event()
+
+        def held_flush_and_send(timeout, fd, data, parking, on_wait):
+            def held_on_wait(mailbox):
+                on_wait(mailbox)
+                if not entered.is_set():
+                    entered.set()
+                    release.wait(10)
+
+            return real_fs(timeout, fd, data, parking, held_on_wait)
+
+        st._flush_and_send_fn = held_flush_and_send
+        try:
+            s.put_layer(peer, "m", 0, ids, ids)
+            s.signal_layer(peer, "m", 0)
+            assert entered.wait(10), "the layer's signal was not left to a flush"
+            s.signal(peer, "m")
+            joined = bool(st._inflight_extra)
+        finally:
+            release.set()
+        r.wait("m", timeout=30)
+        s.flush(peer, timeout=30)
+        assert st._pending == 0
+        r.release("m")
         assert joined, "the signal never joined the batch in flight"
         assert verify_transfer(dst, src, {0: list(zip(ids, ids, strict=True))}) == []
 

@@ -35,11 +35,14 @@ def test_idle_manager_costs_no_cpu():
     with kt.open(cache.layout, backend="ucx") as cm, kt.open(HostCache(SPEC).layout, backend="ucx") as other:
         other.connect(cm.metadata())
         time.sleep(0.3)
-        t0, c0 = time.monotonic(), time.process_time()
-        time.sleep(2.0)
-        cpu = time.process_time() - c0
-        wall = time.monotonic() - t0
-    assert cpu / wall < 0.05, f"idle managers used {100 * cpu / wall:.1f}% of a core"
+        # The least of three 1 s windows: process CPU time also counts a garbage collection or a thread
+        # left over from an earlier test, once; an idle loop that burns CPU shows in every window.
+        shares = []
+        for _ in range(3):
+            t0, c0 = time.monotonic(), time.process_time()
+            time.sleep(1.0)
+            shares.append((time.process_time() - c0) / (time.monotonic() - t0))
+    assert min(shares) < 0.05, f"idle managers used {', '.join(f'{100 * x:.1f}%' for x in shares)} of a core"
 
 
 def test_unknown_option_is_refused():

@@ -42,8 +42,9 @@ from .test_e2e_pd import START_TIMEOUT, Proc, free_port, metrics, vllm_cmd, wait
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 # The prefill's lease. A live decode renews it every LEASE/3, so a renewal may come up to 2/3 LEASE late before
-# the blocks are (wrongly) freed: 6 s tolerates 4 s stalls of a decode engine on a loaded 2-core machine.
-LEASE = float(os.environ.get("KVT_FAULT_LEASE", "6"))
+# the blocks are (wrongly) freed: 10 s tolerates ~6 s stalls of a decode engine on a loaded 2-core machine
+# (four vLLM instances share its cores here), and gives the "still held" checks below ~7 s to look.
+LEASE = float(os.environ.get("KVT_FAULT_LEASE", "10"))
 PUSH_DELAY = 600.0  # "never" before the kill; the decodes' transfer_timeout (120 s) is not reached either
 MAX_TOKENS = 12
 USAGE = "vllm:kv_cache_usage_perc"
@@ -278,7 +279,7 @@ def test_decode_killed_holds_are_freed(faults: dict[str, Any]) -> None:
     p1 = metrics(P.url)
     print(f"\n[faults] decode killed: prefill blocks freed {time.monotonic() - t_kill:.1f}s after the kill "
           f"(poll {took:.1f}s); counters {({k: p1.get(k, 0) for k in (LEASE_EXPIRED, DECODE_GONE)})}")
-    # freed because the side channel closed, not because the (6 s) lease ran out after the last renewal
+    # freed because the side channel closed, not because the lease ran out after the last renewal
     assert p1.get(LEASE_EXPIRED, 0) == p0.get(LEASE_EXPIRED, 0), "freed by the lease, not by the lost side channel"
 
     # a decode that never comes: the lease frees the blocks

@@ -41,6 +41,18 @@ START_TIMEOUT = float(os.environ.get("KVT_E2E_START_TIMEOUT", "900"))
 
 
 def free_port() -> int:
+    """A free port below Linux's ephemeral range (32768+): the port stays unbound until the server starts
+    (minutes on 2 cores), and meanwhile every outgoing connection, gloo store and `bind(0)` of the other
+    instances draws from the ephemeral range; a port outside it is not taken by those."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -366,7 +366,8 @@ def _spy_counters(pr: Pair) -> dict[str, int]:
 def test_lease_renewed_by_live_decode_then_freed_when_it_disconnects(pair) -> None:
     """A finished prefill request waiting for its destination is kept past the lease while the decode renews it
     (the decode's request waits unallocated), and freed at once when that decode's side channel closes."""
-    pr = pair(p_extra={"lease": 0.6})
+    lease = 3.0  # seconds: margins a loaded 2-core CI VM (GC pauses, unscheduled side-channel threads) keeps
+    pr = pair(p_extra={"lease": lease})
     seen = _spy_counters(pr)
     prompt = list(range(10, 10 + 40))
     pparams, dparams = pr.push_params("x-lease")
@@ -378,13 +379,13 @@ def test_lease_renewed_by_live_decode_then_freed_when_it_disconnects(pair) -> No
     pr.p.add_request(preq)
     so = pr.p.schedule()
     pr.p.update_from_output(so, runner_output([preq]))  # finished, blocks held for the decode
-    end = time.monotonic() + 1.5
+    end = time.monotonic() + 2.5 * lease
     while time.monotonic() < end:  # 2.5 leases: the decode's renewals (every lease/3) keep it
         pr.dc.build_plan(None)
         so = pr.p.schedule()
         assert not plan_of(so).send_release
         pr.p.update_from_output(so, empty_output())
-        time.sleep(0.05)
+        time.sleep(0.1)
     assert pr.pc.src_by_req[preq.request_id].holders
     for c in pr.dc.clients.values():  # the decode goes away
         c.close()
@@ -396,7 +397,7 @@ def test_lease_renewed_by_live_decode_then_freed_when_it_disconnects(pair) -> No
         pr.p.update_from_output(so, empty_output(sending=set(plan_of(so).send_release)))
         return bool(released)
 
-    wait_until(freed, timeout=0.5)  # well within a lease: the lost side channel, not the lease
+    wait_until(freed, timeout=lease / 2)  # the last renewal was < lease/3 ago: the lost side channel, not the lease
     assert released == [preq.request_id]
     assert seen == {"decode_disconnects": 1}
     assert_no_leaks(pr.p)
@@ -404,7 +405,8 @@ def test_lease_renewed_by_live_decode_then_freed_when_it_disconnects(pair) -> No
 
 def test_lease_expires_without_decode(pair) -> None:
     """Blocks held for a decode that never comes are freed once the lease expires, and counted."""
-    pr = pair(p_extra={"lease": 0.3})
+    lease = 2.0  # the first schedule() below must come within it, also on a loaded CI VM
+    pr = pair(p_extra={"lease": lease})
     seen = _spy_counters(pr)
     pparams, _ = pr.push_params("x-nobody")
     preq = make_request(list(range(10, 50)), params=pparams, max_tokens=1)
@@ -414,7 +416,7 @@ def test_lease_expires_without_decode(pair) -> None:
     so = pr.p.schedule()
     assert not plan_of(so).send_release
     pr.p.update_from_output(so, empty_output())
-    time.sleep(0.35)
+    time.sleep(lease + 0.1)
     so = pr.p.schedule()
     assert plan_of(so).send_release == [preq.request_id]
     pr.p.update_from_output(so, empty_output(sending={preq.request_id}))

@@ -144,8 +144,11 @@ def test_debug_delay_holds_back_one_signal_without_blocking_others(pd) -> None:
     seen = poll(d, "finished_recving", "fast")
     step(p, StepPlan(send_release=["ps", "pf"]), src)
     sent = poll(p, "finished_sending", "pf")
-    assert "slow" not in seen.finished_recving and "ps" not in sent.finished_sending
-    assert time.monotonic() - t0 < 4.0, "the other request waited for the delayed signal"
+    # "fast" landed and was released while "slow" still waits for its delayed signal: nothing queued behind
+    # it. (No wall-clock bound here: the first connect to D is inside this span and takes seconds on a
+    # loaded CI VM.)
+    assert "slow" not in seen.finished_recving and "ps" not in sent.finished_sending, \
+        "the other request waited for the delayed signal"
     poll(d, "finished_recving", "slow")
     assert time.monotonic() - t0 >= 3.5
     poll(p, "finished_sending", "ps")
