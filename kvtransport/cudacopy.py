@@ -188,16 +188,20 @@ class _Driver:
 
 
 class Mark:
-    """Completion of everything a stream held when it was recorded (an event from the copier's pool)."""
+    """Completion of everything a stream held when it was recorded (an event from the copier's ring, or
+    its own event when ``slot`` is -1)."""
 
-    __slots__ = ("copier", "event")
+    __slots__ = ("copier", "event", "generation", "slot")
 
-    def __init__(self, copier: SegmentCopier, event: Any) -> None:
-        self.copier, self.event = copier, event
+    def __init__(self, copier: SegmentCopier, event: Any, slot: int = -1, generation: int = 0) -> None:
+        self.copier, self.event, self.slot, self.generation = copier, event, slot, generation
 
     @property
     def done(self) -> bool:
         """Non-blocking; raises TransferError on a CUDA error (e.g. a peer mapping gone bad)."""
+        copier = self.copier
+        if self.slot >= 0 and copier.generations[self.slot] != self.generation and copier.ring[self.slot] is self.event:
+            return True  # the ring re-recorded this event, which it does only once this recording completed
         prev = self.copier.enter_context()  # the driver call needs it (flushes run on other threads)
         try:
             rc = self.copier.driver.query(self.event.ptr)
@@ -213,8 +217,11 @@ class SegmentCopier:
     """Compiles the copy kernel once and launches it on torch's current stream of ``device_index``.
 
     Launches go straight to ``cuLaunchKernel``/``cuEventRecord`` (a few µs per put instead of the ~30 µs
-    of CuPy's generic launch and a fresh event); events come from a pool that is reused round-robin (a
-    re-recorded event only completes later, which keeps every wait and table lifetime conservative)."""
+    of CuPy's generic launch and a fresh event). Events come from a ring reused round-robin, but a slot is
+    re-recorded only once its last recording completed (else the slot gets a fresh event and the old one
+    stays with the marks that hold it); each re-recording bumps the slot's generation, so a mark from an
+    earlier generation knows its launch completed. So a mark never reports another launch's completion —
+    also when links or threads launch on different streams — and no wait chases a later launch."""
 
     EVENTS = 512
 
@@ -228,11 +235,13 @@ class SegmentCopier:
             self.kernel = cupy.RawKernel(KERNEL, "kvt_segment_copy")
             self.kernel.compile()
             self._func = ctypes.c_void_p(int(self.kernel.kernel.ptr))
-            self._events = [cupy.cuda.Event(disable_timing=True) for _ in range(self.EVENTS)]
+            self.ring = [cupy.cuda.Event(disable_timing=True) for _ in range(self.EVENTS)]
             ctx = ctypes.c_void_p()
             self.driver.check(self.driver.ctx_get(ctypes.byref(ctx)), "cuCtxGetCurrent")
             self._ctx = ctx.value
         self._next_event = 0
+        self.generations = [0] * self.EVENTS
+        self.fresh_events = 0  # slots whose event was still pending when their turn came (see the class doc)
         self.fast = True
         self._launched = False
         self._launch_lock = threading.Lock()
@@ -303,13 +312,19 @@ class SegmentCopier:
             a_table, a_n, a_src, a_dst = self._args
             a_table.value, a_n.value, a_src.value, a_dst.value = int(table.data.ptr), n, src_base, dst_base
             drv.check(drv.launch(self._func, n, 1, 1, 512, 1, 1, 0, stream, self._params, None), "copy kernel launch")
-            event = self._events[self._next_event]
-            self._next_event = (self._next_event + 1) % self.EVENTS
+            slot = self._next_event
+            self._next_event = (slot + 1) % self.EVENTS
+            event = self.ring[slot]
+            if drv.query(event.ptr) != 0:  # pending (or never recorded: a fresh event reports done, 0)
+                with self.cupy.cuda.Device(self.device_index):
+                    event = self.ring[slot] = self.cupy.cuda.Event(disable_timing=True)
+                self.fresh_events += 1
             drv.check(drv.record(event.ptr, stream), "cuEventRecord")
+            self.generations[slot] += 1
         finally:
             self.leave_context(prev)
         self._launched = True
-        return self._track(Mark(self, event), table)
+        return self._track(Mark(self, event, slot, self.generations[slot]), table)
 
     def _launch_cupy(self, table: Any, n: int, src_base: int, dst_base: int) -> Mark:
         cupy = self.cupy

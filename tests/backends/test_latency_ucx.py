@@ -342,7 +342,7 @@ def test_wait_then_write_with_a_mailbox():
         b.close()
 
 
-def test_cuda_ipc_wait_in_c_outcomes():
+def test_cuda_ipc_wait_in_c_outcomes(monkeypatch):
     """cudaipc.wait_in_c (the CUDA IPC flush): a query that turns ready sends the completion bytes from the
     same C call (True); one that never does is a TransferTimeout; an unknown driver result falls back to the
     copier's own wait and leaves the bytes to the caller (False). The query here stands in for cuEventQuery."""
@@ -353,6 +353,7 @@ def test_cuda_ipc_wait_in_c_outcomes():
 
     if _ucp.wait_helpers() is None:
         pytest.skip("no C compiler for the helper")
+    monkeypatch.setattr(cudaipc, "_c_wait_refused", False)
     state = {"rc": 600, "polls": 0}
 
     @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
@@ -382,7 +383,10 @@ def test_cuda_ipc_wait_in_c_outcomes():
         state.update(rc=999, polls=0)
         after = _ucp.After.make(fd=a.fileno(), data=b"never")
         assert cudaipc.wait_in_c(copier, mark, 5.0, after) is False
-        assert after.sent == 0 and fallback_waits == [5.0]
+        assert after.sent == 0 and len(fallback_waits) == 1 and 4.0 < fallback_waits[0] <= 5.0  # the time left
+        state.update(rc=0, polls=0)  # after a result it does not understand, the C wait is not used again
+        assert cudaipc.wait_in_c(copier, mark, 5.0, _ucp.After.make(fd=a.fileno(), data=b"never")) is False
+        assert state["polls"] == 0 and len(fallback_waits) == 2
         b.setblocking(False)
         with pytest.raises(BlockingIOError):
             b.recv(16)

@@ -48,17 +48,3 @@ def test_idle_manager_costs_no_cpu():
 def test_unknown_option_is_refused():
     with pytest.raises(kt.ConfigurationError, match="unknown options"):
         kt.open(HostCache(SPEC).layout, backend="ucx", bogus=1)
-
-
-def test_cuda_ipc_chunking_covers_every_byte():
-    np = pytest.importorskip("numpy")
-    from kvtransport.cudacopy import CHUNK
-    from kvtransport.cudacopy import split as _split
-
-    src = np.array([1000, 5 * CHUNK], dtype=np.uint64)
-    dst = np.array([9000, 0], dtype=np.uint64)
-    lens = np.array([3 * CHUNK + 17, 100], dtype=np.uint64)
-    s, d, n = _split(src, dst, lens)
-    assert n.max() <= CHUNK and int(n.sum()) == int(lens.sum())
-    assert list(s[:4] - 1000) == [0, CHUNK, 2 * CHUNK, 3 * CHUNK] and list(d[:4] - 9000) == list(s[:4] - 1000)
-    assert int(n[3]) == 17 and int(s[4]) == 5 * CHUNK

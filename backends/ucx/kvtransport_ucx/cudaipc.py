@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
 from typing import Any
 
 from kvtransport.cudacopy import PeerWindows, SegmentCopier
@@ -90,13 +91,16 @@ class PeerMapping(PeerWindows):
     """The peer's exported KV extents (see :func:`export_extents`) mapped into this process.
 
     Opens one IPC handle per extent (none when the peer is this process: its addresses are valid as they
-    are). Raises TransferError on a malformed handle or a CUDA error, with nothing left open; ``close``
-    unmaps."""
+    are), with ``copier``'s device context current when one is given (the dialling thread may have none).
+    Raises TransferError on a malformed handle or a CUDA error, with nothing left open; ``close`` unmaps
+    (only once no copy can still write there: the caller's business)."""
 
-    def __init__(self, exported: list[list[Any]], same_process: bool) -> None:
+    def __init__(self, exported: list[list[Any]], same_process: bool, copier: SegmentCopier | None = None) -> None:
         drv = driver()
+        self._copier = copier
         self._opened: list[int] = []
         rows = []
+        prev = copier.enter_context() if copier is not None else None
         try:
             for addr, length, base, handle_hex in exported:
                 addr, length, base = int(addr), int(length), int(base)
@@ -114,14 +118,28 @@ class PeerMapping(PeerWindows):
                     self._opened.append(mapped_base)
                 rows.append((addr, length, mapped_base + (addr - base)))
         except BaseException:
-            self.close()
+            self._unmap(drv)
             raise
+        finally:
+            if copier is not None:
+                copier.leave_context(prev)
         super().__init__(rows)
 
     def close(self) -> None:
-        drv = driver()
+        """Unmap the peer's memory (with the device context current; a failure is logged, not raised)."""
+        copier = self._copier
+        prev = copier.enter_context() if copier is not None else None
+        try:
+            self._unmap(driver())
+        finally:
+            if copier is not None:
+                copier.leave_context(prev)
+
+    def _unmap(self, drv: _IpcDriver) -> None:
         for ptr in self._opened:
-            drv.close_handle(ptr)
+            rc = drv.close_handle(ptr)
+            if rc:
+                log.warning("CUDA IPC: cuIpcCloseMemHandle(%#x) returned %s; the mapping stays", ptr, rc)
         self._opened = []
 
 
@@ -136,7 +154,8 @@ def wait_in_c(copier: SegmentCopier, mark: Any, timeout: float, after: _ucp.Afte
     if mark is None:
         return False
     fn = ctypes.cast(copier.driver.query, ctypes.c_void_p).value
-    if fn and _ucp.wait_helpers() is not None:
+    deadline = time.monotonic() + timeout
+    if fn and _ucp.wait_helpers() is not None and not _c_wait_refused:
         prev = copier.enter_context()  # the driver call needs the device's context current on this thread
         try:
             rc = _ucp.wait_query(fn, int(mark.event.ptr), _CopyDriver.NOT_READY,
@@ -147,6 +166,18 @@ def wait_in_c(copier: SegmentCopier, mark: Any, timeout: float, after: _ucp.Afte
             return True
         if rc == _CopyDriver.NOT_READY:
             raise TransferTimeout(f"CUDA IPC copy did not finish within {timeout:.3g}s")
-        log.warning("CUDA IPC: cuEventQuery returned %s; waiting through the copier instead", rc)
-    copier.wait(mark, timeout)  # raises the typed error for a CUDA failure
+        _refuse_c_wait(rc)
+    copier.wait(mark, max(0.0, deadline - time.monotonic()))  # raises the typed error for a CUDA failure
     return False
+
+
+_c_wait_refused = False
+
+
+def _refuse_c_wait(rc: Any) -> None:
+    """A driver result the C loop does not understand: from now on wait through the copier (which raises
+    the typed error for a real CUDA failure). Said once."""
+    global _c_wait_refused
+    if not _c_wait_refused:
+        _c_wait_refused = True
+        log.warning("CUDA IPC: cuEventQuery returned %s; waiting through the copier from now on", rc)

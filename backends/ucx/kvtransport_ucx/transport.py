@@ -48,6 +48,7 @@ from kvtransport.cudacopy import segments as _segments
 from kvtransport.cudacopy import uniform as _uniform
 from kvtransport.errors import (
     BackendUnavailable,
+    CommClosed,
     ConfigurationError,
     IncompatiblePeer,
     PeerDisconnected,
@@ -257,6 +258,7 @@ class _UcxOutLink(OutboundLink):
         self.ipc: Any = None  # CUDA IPC: the peer's mapped KV memory (a cudaipc.PeerMapping)
         self.copier: Any = None  # ... the transport's shared cudacopy.SegmentCopier
         self.ipc_putter: Any = None  # ... and the cudacopy.MappedPutter that launches this link's puts
+        self._ipc_closed = False  # set by close(); the three above stay (a racing signal finds them)
         if tr.cuda and info.get("memory") == "cuda" and info.get("host") == host_id() and info.get("ipc"):
             try:
                 from kvtransport.cudacopy import MappedPutter
@@ -264,7 +266,7 @@ class _UcxOutLink(OutboundLink):
                 from .cudaipc import PeerMapping
 
                 self.copier = tr.copier()
-                self.ipc = PeerMapping(info["ipc"], same_process=info.get("pid") == os.getpid())
+                self.ipc = PeerMapping(info["ipc"], same_process=info.get("pid") == os.getpid(), copier=self.copier)
                 self.ipc_putter = MappedPutter(tr.layout, peer.layout, self.ipc, self.copier)
                 names = ["cuda-ipc kernel"]
             except Exception as exc:  # CuPy missing, IPC refused: fall back to UCX puts, and say so
@@ -319,6 +321,8 @@ class _UcxOutLink(OutboundLink):
 
     def put(self, layer: int, runs: Sequence[BlockRun]) -> None:
         if self.ipc_putter is not None:
+            if self._ipc_closed:
+                raise CommClosed("ucx link closed: the peer's memory is no longer mapped")
             self.ipc_putter.put(layer, runs)  # one kernel launch; non-blocking
             return
         if self.uniform:
@@ -471,14 +475,15 @@ class _UcxOutLink(OutboundLink):
         return f"ucx {self.lanes}" + (" (slow path)" if self.slow else "")
 
     def close(self) -> None:
-        if self.ipc_putter is not None:
+        if self.ipc_putter is not None and not self._ipc_closed:
+            self._ipc_closed = True
             try:
                 self.ipc_putter.flush(1.0)
-            except Exception:
-                pass
+            except Exception as exc:  # a copy may still write into the mapping: unmapping would fault it
+                log.warning("ucx: CUDA IPC copies did not finish at close (%s); leaving the peer's memory mapped", exc)
+            else:
+                self.ipc.close()
             self.ipc_putter.close()
-            self.ipc.close()
-            self.ipc = self.ipc_putter = None
         self._plans.clear()
         with self.tr.lock, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a peer that already left resets the endpoint: expected here
