@@ -65,3 +65,18 @@ def test_bench_smoke_writes_json_table_and_plots(tmp_path: Path) -> None:
             path = os.path.join(out, png)
             with open(path, "rb") as f:
                 assert f.read(8) == b"\x89PNG\r\n\x1a\n", path
+
+
+@pytest.mark.timeout(180)
+def test_host_path_diagnostic_runs() -> None:
+    """benchmarks/host_path.py (the host-path simulation of a GPU push) still runs against the manager."""
+    from kvtransport import registry
+
+    if not any(b.name == "ucx" and b.available for b in registry.available_backends()):
+        pytest.skip("ucx backend unavailable")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "host_path.py"
+    proc = subprocess.run([sys.executable, str(script), "--layers", "4", "--blocks", "8", "--requests", "2", "--json"],
+                          capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["layers"] == 4 and res["host_issue_us_per_layer"] > 0 and 0 < res["copy_share_pct"] <= 100

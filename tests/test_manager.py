@@ -275,3 +275,23 @@ def test_checksum_option_catches_silent_corruption():
     cuda_layout = kt.KVLayout.from_regions(4, [[(4096, 64, 64)]], device="cuda:0")
     with pytest.raises(kt.ConfigurationError, match="host memory only"):
         kt.open(cuda_layout, backend="inproc", checksum=True)
+
+
+def test_runs_of_a_request_are_one_object_and_follow_the_ids(pair):
+    """Backends cache per-request plans by the identity of the runs tuple: every layer of a request must get
+    the same object, also when two requests interleave; other ids (or the same list mutated) get other runs."""
+    s, _, _, _ = pair
+    a_src, a_dst = [1, 2, 3, 9], [4, 5, 6, 0]
+    b_src, b_dst = [7, 8], [10, 11]
+    ra = s._runs(a_src, a_dst, SPEC.num_blocks)
+    rb = s._runs(b_src, b_dst, SPEC.num_blocks)
+    assert s._runs(list(a_src), tuple(a_dst), SPEC.num_blocks) is ra  # by content, not by list identity
+    assert s._runs(b_src, b_dst, SPEC.num_blocks) is rb
+    assert ra == ((1, 4, 3), (9, 0, 1)) and rb == ((7, 10, 2),)
+    a_src[3] = 12  # the caller reuses its list: new ids, new runs
+    assert s._runs(a_src, a_dst, SPEC.num_blocks) == ((1, 4, 3), (12, 0, 1))
+    assert s._runs([1, 2, 3, 9], a_dst, SPEC.num_blocks) is ra  # the earlier request's entry is still cached
+    with pytest.raises(kt.InvalidBlockIds):
+        s._runs([[1]], [2], SPEC.num_blocks)  # unhashable ids
+    with pytest.raises(kt.InvalidBlockIds):
+        s._runs([1], [SPEC.num_blocks], SPEC.num_blocks)  # out of range on the receiver
