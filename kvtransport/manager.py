@@ -59,8 +59,6 @@ BUSY_GAP_NS = 200_000
 """A caller that spent this long outside the sender API since its last call is taken to be busy in Python."""
 
 
-@dataclass
-
 class _IdsKey:
     """A request's block ids as a cache key whose hash is computed once (a tuple re-hashes its 2 x N ints
     at every dict operation: several µs a ``put_layer`` for a 2k-token request)."""
@@ -77,6 +75,8 @@ class _IdsKey:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _IdsKey) and self.hash == other.hash and self.ids == other.ids
 
+
+@dataclass
 class Stats:
     """Counters of one manager (``cm.stats()`` returns them as a dict)."""
 
