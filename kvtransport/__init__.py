@@ -26,6 +26,7 @@ from .errors import (
     IncompatiblePeer,
     InterfaceNotFound,
     InvalidBlockIds,
+    InvalidSequenceId,
     KVTransportError,
     LayoutError,
     PeerDisconnected,
@@ -66,7 +67,12 @@ def open(  # noqa: A001 - the name the contract asks for
     if settings.checksum and layout.is_cuda:
         raise ConfigurationError("checksum=True (a debug option) verifies host memory only; turn it off for CUDA caches")
     spec = registry.choose(settings.backend, layout.memory_kind)
-    transport = spec.create(layout, settings)
+    try:
+        transport = spec.create(layout, settings)
+    except KVTransportError:
+        raise
+    except Exception as exc:  # a backend that leaked its library's error: still typed, and says which
+        raise BackendUnavailable(f"backend {spec.name} could not start: {type(exc).__name__}: {exc}") from exc
     try:
         return CommManager(layout, settings, transport)
     except BaseException:
@@ -84,6 +90,7 @@ __all__ = [
     "IncompatiblePeer",
     "InterfaceNotFound",
     "InvalidBlockIds",
+    "InvalidSequenceId",
     "KVLayout",
     "KVTransportError",
     "LayerRegion",

@@ -188,6 +188,8 @@ class BackendSpec(ABC):
     auto_select: bool = True
     install_hint: str = ""
     memory_kinds: frozenset[str] = frozenset({"cpu"})
+    cross_process: bool = True
+    """False for a backend whose peers must live in one process (the in-process reference backend)."""
 
     @abstractmethod
     def probe(self) -> Availability:

@@ -130,12 +130,3 @@ def host_id() -> str:
     except OSError:
         boot = ""
     return f"{socket.gethostname()}/{boot}"
-
-
-def default_env(settings: Settings, knobs: Mapping[str, str]) -> dict[str, str]:
-    """The backend knobs (e.g. NCCL_SOCKET_IFNAME) to set for NET_IFNAME, skipping any the user has set.
-
-    Backends apply the result at ``open()`` time (never at import)."""
-    if settings.ifname is None:
-        return {}
-    return {k: v.format(ifname=settings.ifname) for k, v in knobs.items() if k not in os.environ}

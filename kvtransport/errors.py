@@ -10,7 +10,8 @@ backend-specific exception::
     │   ├── BackendUnavailable      installed, but cannot run here (the reason says why)
     │   └── InterfaceNotFound       NET_IFNAME names no interface (lists the ones present)
     ├── LayoutError                 a KV cache that cannot be described / used as given
-    ├── InvalidBlockIds             block id lists rejected before any byte moves
+    ├── InvalidBlockIds             block id lists (or a layer index) rejected before any byte moves
+    ├── InvalidSequenceId           a sequence id that is not a str/int or too long for the wire
     ├── ProtocolError               malformed, truncated, oversized or unauthenticated wire data
     │   └── VersionMismatch         peer speaks another wire/metadata version
     ├── IncompatiblePeer            peer's layout / backend / capacity does not match ours
@@ -51,6 +52,11 @@ class LayoutError(KVTransportError):
 
 class InvalidBlockIds(KVTransportError):
     """Block id lists are malformed (length mismatch, negative, duplicate destination, out of range)."""
+
+
+class InvalidSequenceId(KVTransportError, ValueError):
+    """A sequence id is not a str or int (bool excluded), or is longer than the wire allows; rejected
+    before any byte moves."""
 
 
 class ProtocolError(KVTransportError):
@@ -96,6 +102,7 @@ __all__ = [
     "IncompatiblePeer",
     "InterfaceNotFound",
     "InvalidBlockIds",
+    "InvalidSequenceId",
     "KVTransportError",
     "LayoutError",
     "PeerDisconnected",

@@ -33,6 +33,7 @@ from .coalesce import BlockRun, coalesce, single_runs
 from .config import Settings
 from .errors import (
     CommClosed,
+    ConfigurationError,
     IncompatiblePeer,
     InvalidBlockIds,
     KVTransportError,
@@ -134,7 +135,13 @@ class CommManager:
         self._last_runs: tuple[_IdsKey, tuple[BlockRun, ...]] | None = None  # the latest entry used
         self._layer_planes = [len(layer.planes) for layer in layout.layers]  # for the stats of a put
         self._layer_block_bytes = [layer.block_bytes for layer in layout.layers]
-        self._server = socket.create_server((settings.address, settings.port), reuse_port=False)
+        try:
+            self._server = socket.create_server((settings.address, settings.port), reuse_port=False)
+        except OSError as exc:
+            raise ConfigurationError(
+                f"cannot listen on {settings.address}:{settings.port} for the side channel ({exc.strerror or exc}); "
+                "pick another port (KV_TRANSPORT_PORT, 0 = any free one) or check NET_IFNAME's address"
+            ) from None
         self._server.settimeout(None)
         self.host, self.port = self._server.getsockname()[:2]
         self._accept_thread = self._spawn(self._accept_loop, "kvt-accept")
@@ -184,7 +191,10 @@ class CommManager:
             kind, payload = conn.recv(deadline)
             if kind != FrameType.CHALLENGE:
                 raise ProtocolError(f"expected CHALLENGE from {label}, got {kind.name}")
-            nonce = bytes.fromhex(str(wire.parse_json_payload(payload, "CHALLENGE").get("nonce", "")))
+            try:
+                nonce = bytes.fromhex(str(wire.parse_json_payload(payload, "CHALLENGE").get("nonce", "")))
+            except ValueError:
+                raise ProtocolError(f"malformed CHALLENGE from {label}: the nonce is not hex") from None
             dialer = self.transport.dial(info)
             body = wire.json_payload({"metadata": self._metadata_fields(), "request": dialer.request})
             auth = wire.auth_tag(self.settings.secret, nonce, body) if self.settings.secret else None
@@ -196,11 +206,14 @@ class CommManager:
             if kind != FrameType.WELCOME or not isinstance(reply.get("reply"), dict):
                 raise ProtocolError(f"expected WELCOME from {label}, got {kind.name}")
             link = dialer.complete(reply["reply"], max(0.001, deadline - time.monotonic()))
-        except BaseException:
+        except BaseException as exc:
             if dialer is not None:
                 dialer.abort()
             conn.close()
-            raise
+            if isinstance(exc, KVTransportError) or not isinstance(exc, Exception):
+                raise
+            # a backend that leaked its library's error (bad peer address, refused rendezvous): still typed
+            raise PeerDisconnected(f"{self.backend} could not link to {label}: {type(exc).__name__}: {exc}") from exc
         state = _Outbound(self, conn, link, info)
         peer = Peer(meta["instance"], meta["host"], meta["port"], self.backend, link.describe(), peer_layout, state)
         with self._lock:
@@ -227,6 +240,7 @@ class CommManager:
         st = self._outbound_state(peer)
         if not 0 <= layer < self.layout.num_layers:
             raise InvalidBlockIds(f"layer {layer} out of range [0, {self.layout.num_layers})")
+        wire.check_seq_id(seq_id)
         runs = self._runs(src_block_ids, dst_block_ids, peer.layout.num_blocks)
         if not runs:
             return
@@ -274,12 +288,14 @@ class CommManager:
         Non-blocking (one-sided backends flush on a background thread)."""
         if not 0 <= layer < self.layout.num_layers:
             raise InvalidBlockIds(f"layer {layer} out of range [0, {self.layout.num_layers})")
+        wire.check_seq_id(seq_id)
         self._outbound_state(peer).signal(seq_id, layer)
         with self._stats_lock:
             self._stats.signals += 1
 
     def signal(self, peer: Peer, seq_id: SeqId) -> None:
         """After this, the peer's ``wait(seq_id)`` returns once every earlier put of it landed. Non-blocking."""
+        wire.check_seq_id(seq_id)
         self._outbound_state(peer).signal(seq_id, None)
         with self._stats_lock:
             self._stats.signals += 1
@@ -296,6 +312,7 @@ class CommManager:
         If that sender disconnects — or already has — the sequence fails at once with PeerDisconnected
         instead of running out the waiter's timeout. Takes a slot (SlotsExhausted when full). Non-blocking.
         """
+        wire.check_seq_id(seq_id)
         instance = sender if isinstance(sender, str) else wire.decode_metadata(sender)["instance"]
         st = self._table.acquire(seq_id, peer=instance)
         if st is not None and st.peer == instance:
@@ -316,7 +333,11 @@ class CommManager:
         self._table.wait(seq_id, timeout)
 
     def wait_layer(self, seq_id: SeqId, layer: int, *, timeout: float) -> None:
-        """Block until ``layer`` of the sequence landed (a layer signal or the whole-sequence signal)."""
+        """Block until ``layer`` of the sequence landed (a layer signal or the whole-sequence signal).
+
+        Same errors as :meth:`wait`; InvalidBlockIds for a layer out of range."""
+        if not 0 <= layer < self.layout.num_layers:
+            raise InvalidBlockIds(f"layer {layer} out of range [0, {self.layout.num_layers})")
         self._table.wait_layer(seq_id, layer, timeout)
 
     def poll(self) -> list[SeqId]:
@@ -372,6 +393,7 @@ class CommManager:
         """Sender side: give a sequence up. Further puts/signals for it raise SequenceAborted; once the
         puts already issued have landed, the receiver is told, and its waits fail with SequenceAborted
         (so it may reuse the blocks at once). Non-blocking."""
+        wire.check_seq_id(seq_id)
         self._outbound_state(peer).cancel(seq_id)
 
     def disconnect(self, peer: Peer) -> None:
@@ -966,7 +988,7 @@ class _Outbound:
                 self._send_order.release()
         else:
             with self._put_lock:  # the link's own bookkeeping is not shared between threads
-                self.link.flush(max(0.001, deadline - time.monotonic()))
+                self._flush_link(max(0.001, deadline - time.monotonic()))
 
     def _flush_link(self, timeout: float) -> None:
         try:

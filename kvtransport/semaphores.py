@@ -15,7 +15,15 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from .errors import CommClosed, KVTransportError, SequenceAborted, SlotsExhausted, TransferTimeout
+from .errors import (
+    CommClosed,
+    ConfigurationError,
+    InvalidBlockIds,
+    KVTransportError,
+    SequenceAborted,
+    SlotsExhausted,
+    TransferTimeout,
+)
 
 SeqId = str | int
 """A sequence (request) id: a string (vLLM request ids) or an integer."""
@@ -47,7 +55,7 @@ class SequenceTable:
 
     def __init__(self, capacity: int, num_layers: int) -> None:
         if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
+            raise ConfigurationError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self.num_layers = num_layers
         self._cond = threading.Condition()
@@ -184,7 +192,7 @@ class SequenceTable:
     def wait_layer(self, seq_id: SeqId, layer: int, timeout: float) -> None:
         """Block until ``layer`` of ``seq_id`` has landed (or the whole sequence). Same errors as wait."""
         if not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
+            raise InvalidBlockIds(f"layer {layer} out of range [0, {self.num_layers})")
         self._wait(seq_id, layer, timeout)
 
     def _wait(self, seq_id: SeqId, layer: int | None, timeout: float) -> None:

@@ -158,9 +158,15 @@ def parse_json_payload(payload: bytes, what: str) -> dict[str, Any]:
     return _json_object(payload, what)
 
 
+def check_seq_id(seq: Any) -> None:
+    """Raise InvalidSequenceId unless ``seq`` can be a sequence id on the wire (str or int, not bool,
+    at most MAX_SEQ_ID_BYTES encoded). Callers validate before moving any byte."""
+    _encode_seq(seq)
+
+
 def _encode_seq(seq: SeqId) -> bytes:
     if isinstance(seq, bool) or not isinstance(seq, str | int):
-        raise TypeError(f"sequence ids are str or int, got {type(seq).__name__}")
+        raise errors.InvalidSequenceId(f"sequence ids are str or int, got {type(seq).__name__}")
     return _encode_seq_cached(seq)
 
 
@@ -169,7 +175,7 @@ def _encode_seq_cached(seq: SeqId) -> bytes:
     """Every layer of a request encodes the same id (json.dumps costs µs); typed: 1 and "1" stay apart."""
     raw = json.dumps(seq).encode()
     if len(raw) > MAX_SEQ_ID_BYTES:
-        raise ValueError(f"sequence id too long ({len(raw)} bytes encoded; limit {MAX_SEQ_ID_BYTES})")
+        raise errors.InvalidSequenceId(f"sequence id too long ({len(raw)} bytes encoded; limit {MAX_SEQ_ID_BYTES})")
     return struct.pack("!H", len(raw)) + raw
 
 

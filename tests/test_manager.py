@@ -295,3 +295,33 @@ def test_runs_of_a_request_are_one_object_and_follow_the_ids(pair):
         s._runs([[1]], [2], SPEC.num_blocks)  # unhashable ids
     with pytest.raises(kt.InvalidBlockIds):
         s._runs([1], [SPEC.num_blocks], SPEC.num_blocks)  # out of range on the receiver
+
+
+def test_bad_sequence_ids_and_layers_are_typed_errors_before_any_byte_moves(pair):
+    s, r, src, dst = pair
+    peer = s.connect(r.metadata())
+    too_long = "x" * 5000
+    for bad in (too_long, 1.5, True, None):
+        with pytest.raises(kt.InvalidSequenceId):
+            s.put_layer(peer, bad, 0, [1], [1])
+        with pytest.raises(kt.InvalidSequenceId):
+            s.signal_layer(peer, bad, 0)
+        with pytest.raises(kt.InvalidSequenceId):
+            s.signal(peer, bad)
+        with pytest.raises(kt.InvalidSequenceId):
+            s.cancel(peer, bad)
+        with pytest.raises(kt.InvalidSequenceId):
+            r.expect(bad, sender=s.instance)
+    assert isinstance(kt.InvalidSequenceId("x"), ValueError)  # also what plain-Python callers catch
+    assert verify_transfer(dst, src, {}) == []  # nothing written
+    with pytest.raises(kt.InvalidBlockIds, match="layer"):
+        r.wait_layer("q", SPEC.num_layers, timeout=0.1)
+
+
+def test_a_busy_side_channel_port_is_a_configuration_error():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        with pytest.raises(kt.ConfigurationError, match=f"cannot listen on 127.0.0.1:{port}.*KV_TRANSPORT_PORT"):
+            kt.open(HostCache(SPEC).layout, backend="inproc", port=port)

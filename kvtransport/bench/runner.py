@@ -154,8 +154,8 @@ class Bench:
         chosen, listing = [], []
         for row in kvtransport.available_backends():
             entry = {"name": row.name, "installed": row.installed, "available": row.available, "reason": row.reason}
-            if row.name == "inproc":
-                entry["used"] = "no: in-process test backend, cannot span processes"
+            if row.name in specs and not specs[row.name].cross_process:
+                entry["used"] = "no: its peers must share one process (the bench runs two)"
             elif not row.available:
                 entry["used"] = "no: " + (row.reason or "unavailable")
             elif row.name in specs and kind not in specs[row.name].memory_kinds:

@@ -1,5 +1,7 @@
 """The test kit: an in-process reference backend (``inproc``), a two-process harness, vLLM-shaped caches,
-the conformance suite every backend adopts, and fault scenarios. Imports numpy/pytest only when used."""
+the conformance suite every backend adopts, and fault scenarios. ``import kvtransport.testing`` itself loads
+neither numpy nor pytest; its modules that build caches (``cache``, and ``conformance``/``faults``/``demo``
+through it) need numpy."""
 
 from __future__ import annotations
 

@@ -105,6 +105,7 @@ class InprocSpec(BackendSpec):
     auto_select = False
     install_hint = "built in (kvtransport.testing)"
     memory_kinds = frozenset({"cpu"})
+    cross_process = False
 
     def probe(self) -> Availability:
         return Availability(True, "in-process reference backend (tests only)")

@@ -228,6 +228,10 @@ class _Answer(Answer):
             conn_future = comm.connect(tr.m.CppEndpointConfig(getattr(tr.m.CppTransport, self.transport)), 1, CONNECT_TAG)
             for i, reg in enumerate(regs):
                 comm.send_memory(reg, 1, CONNECT_TAG + 1 + i)
+            # Unbounded, and with the GIL held: MSCCL++ binds future.get() without releasing the GIL and its
+            # bootstrap's accept has no timeout, so a peer that dies between the bootstrap and its endpoint
+            # message stalls this process (README, "Known limits"). Both sides send before they wait, so
+            # the window is the few ms after a successful bootstrap.
             conn = conn_future.get()
         except KVTransportError:
             raise
@@ -271,7 +275,7 @@ class _Dialer(Dialer):
             endpoint = tr.m.CppEndpointConfig(getattr(tr.m.CppTransport, self.choice.transport))
             conn_future = comm.connect(endpoint, 0, CONNECT_TAG)
             mem_futures = [comm.recv_memory(0, CONNECT_TAG + 1 + i) for i in range(nregs)]
-            conn = conn_future.get()
+            conn = conn_future.get()  # unbounded, GIL held: see the receiver's complete()
             remotes = [f.get() for f in mem_futures]
         except Exception as exc:
             raise native.translate(exc, f"{self.choice.transport} connection (sender)") from None

@@ -13,8 +13,10 @@ from __future__ import annotations
 import collections
 import ctypes
 import datetime
+import logging
 import os
 import secrets
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,7 +34,7 @@ from kvtransport.backend import (
     Transport,
 )
 from kvtransport.coalesce import BlockRun
-from kvtransport.config import Settings, default_env, host_id
+from kvtransport.config import Settings, host_id
 from kvtransport.errors import (
     BackendUnavailable,
     ConfigurationError,
@@ -46,7 +48,33 @@ from kvtransport.layout import KVLayout, LayerRegion
 STRATEGIES = ("pack", "per_run")
 MAX_IN_FLIGHT = 8
 """Sends a link keeps in flight before put waits for the oldest (bounds staging memory)."""
+log = logging.getLogger("kvtransport.nccl")
 KNOBS = {"NCCL_SOCKET_IFNAME": "{ifname}", "GLOO_SOCKET_IFNAME": "{ifname}"}
+_knobs_set: dict[str, str] = {}  # the knobs this process's open() calls wrote, and their values
+_knobs_lock = threading.Lock()
+
+
+def _apply_interface_knobs(settings: Settings) -> None:
+    """NET_IFNAME -> NCCL_/GLOO_SOCKET_IFNAME, at open() time (never at import). The variables are process-wide
+    and read by torch.distributed: a value the user set is kept (and a different NET_IFNAME is logged); a value
+    an earlier open() here set for another interface is a ConfigurationError, not a silent mix."""
+    if settings.ifname is None:
+        return
+    with _knobs_lock:
+        for key, template in KNOBS.items():
+            want = template.format(ifname=settings.ifname)
+            have = os.environ.get(key)
+            if have is None:
+                os.environ[key] = _knobs_set[key] = want
+            elif have != want and _knobs_set.get(key) == have:
+                raise ConfigurationError(
+                    f"nccl backend: {key}={have} was set for an earlier CommManager in this process; torch.distributed "
+                    f"reads it process-wide, so NET_IFNAME={settings.ifname} cannot apply here: use one interface "
+                    "per process"
+                )
+            elif have != want:
+                log.warning("nccl backend: %s=%s (set by the user) is kept; NET_IFNAME=%s does not override it",
+                            key, have, settings.ifname)
 
 
 class _CudaArray:
@@ -107,8 +135,7 @@ class TorchTransport(Transport):
             if not dist.is_gloo_available():
                 raise BackendUnavailable("host memory needs gloo, which this torch build lacks")
             self.pg_kind = "gloo"
-        # NET_IFNAME -> backend knobs, at open() time and only where the user has not set them
-        os.environ.update(default_env(settings, KNOBS))
+        _apply_interface_knobs(settings)
         self.capabilities = Capabilities(
             one_sided=False, memory_kinds=frozenset({self.device.type}), cross_host=True,
             notes=f"torch.distributed {self.pg_kind}",

@@ -35,6 +35,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 log = logging.getLogger("kvtransport.proxy")
 
 
+CONNECT_TIMEOUT_S = 10.0
+"""Bound on connecting to an instance, sending a request and waiting for a pooled connection."""
+
+
 @dataclass
 class Instance:
     """One vLLM server the proxy talks to."""
@@ -52,9 +56,14 @@ class Proxy:
         if not prefill or not decode:
             raise ValueError("need at least one --prefill and one --decode URL")
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        # Connecting, writing and waiting for a pooled connection are always bounded (a dead or hung instance
+        # fails the request instead of holding it for ever); reading waits ``timeout`` (None: as long as a
+        # long generation takes).
+        bounds = httpx.Timeout(connect=CONNECT_TIMEOUT_S, write=CONNECT_TIMEOUT_S, pool=CONNECT_TIMEOUT_S, read=timeout)
+
         def mk(url: str) -> Instance:
             base = url.rstrip("/")
-            return Instance(base, httpx.AsyncClient(base_url=base, timeout=timeout, limits=limits))
+            return Instance(base, httpx.AsyncClient(base_url=base, timeout=bounds, limits=limits))
 
         self.prefill = [mk(u) for u in prefill]
         self.decode = [mk(u) for u in decode]
@@ -203,7 +212,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--mode", choices=("push", "pull"), default="push")
-    ap.add_argument("--timeout", type=float, default=None, help="per-request HTTP timeout in seconds (default none)")
+    ap.add_argument("--timeout", type=float, default=None,
+                    help="seconds to wait for a response's next bytes (default: no bound, for long generations); "
+                         f"connecting, sending and pool waits are always bounded ({CONNECT_TIMEOUT_S:g} s)")
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

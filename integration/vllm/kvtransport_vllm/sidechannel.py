@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -29,10 +30,27 @@ Inbox = queue.Queue[tuple[Any, ...]]  # see module docstring
 CompatFn = Callable[[], tuple[str, dict[str, Any]]]
 
 
-class _Conn:
-    """One established connection: a writer thread draining ``out`` and a reader loop run by the owner."""
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 3
+"""A peer host that vanishes without closing (power, network) is declared lost after ~25 s of silence."""
 
-    def __init__(self, sock: socket.socket, label: str) -> None:
+
+class _Conn:
+    """One established connection: a writer thread draining ``out`` and a reader loop run by the owner.
+
+    Reads block (the reader loop is woken by ``close``); each send is bounded by ``send_timeout`` (a peer that
+    is alive but stopped reading fails the connection instead of blocking the writer for ever), and TCP
+    keepalive probes a silent peer."""
+
+    def __init__(self, sock: socket.socket, label: str, send_timeout: float) -> None:
+        sock.settimeout(None)
+        secs = max(send_timeout, 0.001)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(secs), int((secs - int(secs)) * 1e6)))
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            for opt, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                               ("TCP_KEEPCNT", KEEPALIVE_PROBES)):
+                if hasattr(socket, opt):  # Linux; elsewhere the system's keepalive defaults apply
+                    sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
         self.sock = sock
         self.label = label
         self.out: queue.Queue[dict[str, Any] | None] = queue.Queue()
@@ -128,8 +146,7 @@ class SideChannelServer:
             engine = str(hello["engine_id"])
             send_message(sock, {"type": "welcome", "version": PROTOCOL_VERSION, "engine_id": self.engine_id,
                                 "compat": ours, "compat_info": info, "lease": self.lease})
-            sock.settimeout(None)
-            conn = _Conn(sock, label)
+            conn = _Conn(sock, label, self._timeout)
             with self._lock:
                 old = self._conns.pop(engine, None)
                 self._conns[engine] = conn
@@ -258,13 +275,12 @@ class PeerClient:
             self.peer_engine = str(reply.get("engine_id"))
             lease = reply.get("lease")
             self.peer_lease = float(lease) if isinstance(lease, (int, float)) and lease > 0 else None
-            sock.settimeout(None)
         except (OSError, ProtocolFailure) as exc:
             log.error("kvtransport side channel: %s", exc)
             sock.close()
             self._die(str(exc))
             return
-        conn = _Conn(sock, self.label)
+        conn = _Conn(sock, self.label, self._timeout)
         with self._lock:
             self._conn = conn
             pending, self._pending = self._pending, []
