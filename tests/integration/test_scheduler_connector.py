@@ -217,6 +217,40 @@ def test_pull_mode_nixl_keys(pair) -> None:
     assert_no_leaks(pr.p)
 
 
+def test_pull_mode_keeps_the_source_for_every_decode_child(pair) -> None:
+    """Our proxy's pull mode tells the prefill the decode request's n (kvt_fanout): the source stays until
+    every child pulled, so a child that asks after its sibling's pull finished still gets the KV."""
+    pr = pair()
+    prompt = list(range(700, 700 + 50))
+    params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+              "remote_block_ids": None, "remote_host": None, "remote_port": None, "kvt_fanout": 2}
+    preq = make_request(prompt, params=params, max_tokens=1)
+    pr.p.add_request(preq)
+    so = pr.p.schedule()
+    kv = _kv_params(pr.p.update_from_output(so, runner_output([preq])))
+    whole: list = []
+    released: list = []
+
+    def step_prefill() -> None:
+        so = pr.p.schedule()
+        whole.extend(plan_of(so).whole_pushes)
+        released.extend(plan_of(so).send_release)
+        pr.p.update_from_output(so, empty_output(sending=set(plan_of(so).send_release)))
+
+    d1 = make_request(prompt, params=kv)
+    _decode_admit(pr, d1)
+    wait_until(lambda: (step_prefill(), len(whole) == 1)[1])
+    for _ in range(5):  # the first child's pull is done: the source must stay for the second
+        step_prefill()
+        time.sleep(0.02)
+    assert not released and preq.request_id in pr.p.requests
+    d2 = make_request(prompt, params=kv)
+    _decode_admit(pr, d2)
+    wait_until(lambda: (step_prefill(), preq.request_id not in pr.p.requests)[1])
+    assert {p.seq for p in whole} == {d1.request_id, d2.request_id} and released == [preq.request_id]
+    assert_no_leaks(pr.p)
+
+
 def test_decode_partial_prefix_hit_pulls_only_the_tail(pair) -> None:
     pr = pair()
     prefix = list(range(700, 732))  # two full blocks

@@ -137,9 +137,11 @@ class Proxy:
                                            "remote_engine_id": side["kvt_engine_id"]}
             prefill_task = asyncio.create_task(self._prefill(p, api, pbody, headers))
         else:
+            # kvt_fanout: the decode request's n children each pull; the prefill keeps its blocks for all of
+            # them (without it, a second child could find the source already released)
             pbody = self.prefill_body(body, {"do_remote_decode": True, "do_remote_prefill": False,
                                              "remote_engine_id": None, "remote_block_ids": None,
-                                             "remote_host": None, "remote_port": None})
+                                             "remote_host": None, "remote_port": None, "kvt_fanout": n})
             presp = await self._prefill(p, api, pbody, headers)
             if isinstance(presp, Response):
                 return presp

@@ -66,7 +66,7 @@ class _Source:
     req_id: str
     xfer: str
     mode: str  # "push" (our proxy, decode allocates first) or "pull" (NIXL-style params, decode asks after)
-    fanout: int  # push: destinations expected (n of the decode request)
+    fanout: int  # destinations expected (n of the decode request; pull mode: 1 unless the proxy said)
     prompt_len: int
     blocks: list[int] = field(default_factory=list)
     computed: int = 0
@@ -85,8 +85,8 @@ class _Source:
 
     def served(self) -> bool:
         """No further destinations are expected."""
-        if self.mode == "pull":
-            return self.msgs + self.cancels >= 1 and all(d.final_sent or d.cancelled for d in self.dsts)
+        if self.mode == "pull":  # each decode child asks with its own message
+            return self.msgs + self.cancels >= self.fanout and all(d.final_sent or d.cancelled for d in self.dsts)
         done = sum(1 for d in self.dsts if d.final_sent or d.cancelled) + self.cancels
         return done >= self.fanout and all(d.final_sent or d.cancelled for d in self.dsts)
 
