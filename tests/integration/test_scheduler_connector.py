@@ -250,6 +250,24 @@ def test_pull_mode_keeps_the_source_for_every_decode_child(pair) -> None:
     assert {p.seq for p in whole} == {d1.request_id, d2.request_id} and released == [preq.request_id]
     assert_no_leaks(pr.p)
 
+    # children allocated in the same step ask in one message: freed once both pulled, not at the lease
+    prompt = list(range(800, 800 + 50))
+    preq = make_request(prompt, params=params, max_tokens=1)
+    pr.p.add_request(preq)
+    so = pr.p.schedule()
+    kv = _kv_params(pr.p.update_from_output(so, runner_output([preq])))
+    whole.clear()
+    released.clear()
+    d3, d4 = make_request(prompt, params=kv), make_request(prompt, params=kv)
+    pr.d.add_request(d3)
+    pr.d.add_request(d4)
+    so = pr.d.schedule()
+    assert {d3.request_id, d4.request_id} <= set(plan_of(so).recv_start)
+    pr.d.update_from_output(so, empty_output())
+    wait_until(lambda: (step_prefill(), preq.request_id not in pr.p.requests)[1], timeout=10)
+    assert {p.seq for p in whole} == {d3.request_id, d4.request_id} and released == [preq.request_id]
+    assert_no_leaks(pr.p)
+
 
 def test_decode_partial_prefix_hit_pulls_only_the_tail(pair) -> None:
     pr = pair()

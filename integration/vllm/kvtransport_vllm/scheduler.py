@@ -85,8 +85,9 @@ class _Source:
 
     def served(self) -> bool:
         """No further destinations are expected."""
-        if self.mode == "pull":  # each decode child asks with its own message
-            return self.msgs + self.cancels >= self.fanout and all(d.final_sent or d.cancelled for d in self.dsts)
+        if self.mode == "pull":  # every decode child asks (children allocated in one step share a message)
+            asked = len(self.dsts) if self.fanout > 1 else self.msgs
+            return asked + self.cancels >= self.fanout and all(d.final_sent or d.cancelled for d in self.dsts)
         done = sum(1 for d in self.dsts if d.final_sent or d.cancelled) + self.cancels
         return done >= self.fanout and all(d.final_sent or d.cancelled for d in self.dsts)
 
