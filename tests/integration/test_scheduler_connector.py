@@ -378,9 +378,10 @@ def test_plugin_registration_is_idempotent() -> None:
     assert KVTransportConnector.requires_piecewise_for_cudagraph({"mode": "pull"}) is False
 
 
-def test_pull_with_n2_on_prefill_frees_the_unpulled_sibling(pair) -> None:
-    """vLLM's toy proxy forwards n=2 to the prefill: two children compute, only one child's params reach
-    the decode; the sibling must be freed once the other was pulled (not held for source_ttl)."""
+def test_pull_with_n2_serves_every_decode_child_then_frees_the_family(pair) -> None:
+    """vLLM's toy proxy forwards n=2 to both sides: two prefill children compute, only one child's params
+    reach the decode, and both decode children pull that one. A decode child asking after its sibling's pull
+    finished still gets the KV; once both asked, every prefill child is freed (not held for the lease)."""
     pr = pair()
     prompt = list(range(800, 840))
     toy = {"do_remote_decode": True, "do_remote_prefill": False}
@@ -389,14 +390,25 @@ def test_pull_with_n2_on_prefill_frees_the_unpulled_sibling(pair) -> None:
         pr.p.add_request(k)
     so = pr.p.schedule()
     kv = _kv_params(pr.p.update_from_output(so, runner_output(kids)))
-    dreq = make_request(prompt, params=kv)
-    _decode_admit(pr, dreq)
+    whole: list = []
 
-    def all_freed() -> bool:
+    def step_prefill() -> None:
         so = pr.p.schedule()
+        whole.extend(plan_of(so).whole_pushes)
         pr.p.update_from_output(so, empty_output(sending=set(plan_of(so).send_release)))
-        return not pr.p.requests
-    wait_until(all_freed)
+
+    d0 = make_request(prompt, params=dict(kv), rid="0_cmpl-decode")
+    _decode_admit(pr, d0)
+    wait_until(lambda: (step_prefill(), len(whole) == 1)[1])
+    for _ in range(5):  # the first decode child was served: the family waits for the second
+        step_prefill()
+        time.sleep(0.02)
+    assert pr.p.requests, "the family was freed before its second child asked"
+    d1 = make_request(prompt, params=dict(kv), rid="1_cmpl-decode")
+    _decode_admit(pr, d1)
+    wait_until(lambda: (step_prefill(), not pr.p.requests)[1])
+    assert {p.seq for p in whole} == {d0.request_id, d1.request_id}
+    assert not pr.pc.family_size and not pr.pc.family_asked  # nothing kept per family afterwards
     assert_no_leaks(pr.p)
 
 

@@ -140,9 +140,12 @@ class SchedulerSide:
         self.src_by_req: dict[str, _Source] = {}
         self.orphans: dict[str, tuple[float, list[_Dst], int]] = {}  # xfer -> (lease end, dsts, cancels)
         self.gone: dict[str, str] = {}  # xfer -> why it can no longer be served (bounded)
-        # pull flow with n>1 on the prefill (vLLM's toy proxy forwards n): only one child's params reach the
-        # decode, so once one child was pulled its siblings are freed instead of waiting for the lease
-        self.families_served: dict[str, None] = {}
+        # pull flow with n>1 (vLLM's toy proxy forwards the same n to both sides): the prefill computes n
+        # children, only one child's params reach the decode, and each of the decode's n children pulls that
+        # one. Per family: live sources, and how many pulls (or cancels) arrived. The family is served once
+        # as many arrived as it has children; then every sibling goes (see _family_served).
+        self.family_size: dict[str, int] = {}
+        self.family_asked: dict[str, int] = {}
         self.peer_workers: dict[str, dict[int, bytes]] = {}
         self.holds: dict[str, tuple[float, set[str]]] = {}  # xfer -> (expiry, engines): renewed before registered
         self.counters: dict[str, int] = {"lease_expirations": 0, "decode_disconnects": 0}
@@ -276,9 +279,8 @@ class SchedulerSide:
                 return True, None
             self._drop_source(rid)
             return False, None
-        fam = sampling_family(rid)
-        if src.mode == "pull" and fam is not None and fam in self.families_served and not src.dsts:
-            self._drop_source(rid)  # a sibling was pulled: nobody will ask for this one
+        if not src.dsts and self._family_served(src):
+            self._drop_source(rid)  # its siblings took every pull: nobody will ask for this one
             return False, None
         status = getattr(request.status, "name", str(request.status))
         if status in FINISHED_OK and block_ids:
@@ -352,6 +354,9 @@ class SchedulerSide:
         src = _Source(rid, xfer, "push" if push else "pull", max(1, fanout), int(request.num_prompt_tokens),
                       debug_delay=bool(params.get("kvt_debug_delay")) and self.settings.debug_push_delay > 0)
         self.src_by_req[rid] = src
+        fam = self._family(src)
+        if fam is not None:
+            self.family_size[fam] = self.family_size.get(fam, 0) + 1
         if not params.get("kvt_discover"):
             self.sources[xfer] = src
             hold = self.holds.pop(xfer, None)
@@ -365,8 +370,31 @@ class SchedulerSide:
                 src.cancels += cancels
         return src
 
+    @staticmethod
+    def _family(src: _Source) -> str | None:
+        """The sampling family whose pulls ``src`` shares (pull mode, n unknown: see family_size)."""
+        return sampling_family(src.req_id) if src.mode == "pull" and src.fanout == 1 else None
+
+    def _family_served(self, src: _Source) -> bool:
+        """Every child of ``src``'s family has asked (or cancelled): no further pull will come."""
+        fam = self._family(src)
+        return fam is not None and self.family_asked.get(fam, 0) >= self.family_size.get(fam, 1)
+
+    def _family_asks(self, src: _Source, count: int) -> None:
+        fam = self._family(src)
+        if fam is not None and count:
+            self.family_asked[fam] = self.family_asked.get(fam, 0) + count
+
     def _drop_source(self, rid: str) -> None:
         src = self.src_by_req.pop(rid, None)
+        fam = self._family(src) if src is not None else None
+        if fam is not None:
+            left = self.family_size.get(fam, 1) - 1
+            if left > 0:
+                self.family_size[fam] = left
+            else:  # the family's last source: forget it
+                self.family_size.pop(fam, None)
+                self.family_asked.pop(fam, None)
         if src is not None and self.sources.get(src.xfer) is src:
             del self.sources[src.xfer]
             self.gone[src.xfer] = src.failed or "source released"
@@ -439,6 +467,7 @@ class SchedulerSide:
                 return
             src.dsts.extend(dsts)
             src.msgs += 1
+            self._family_asks(src, len(dsts))
         elif mtype == "cancel":
             seqs = {str(s) for s in msg.get("seqs", [])}
             count = int(msg.get("count", 0))
@@ -453,6 +482,7 @@ class SchedulerSide:
                 if d.seq in seqs:
                     d.cancelled = True
             src.cancels += count
+            self._family_asks(src, count)
         else:
             log.warning("kvtransport side channel: ignoring message type %r from %s", mtype, engine)
 
@@ -519,15 +549,11 @@ class SchedulerSide:
                     src.puts_issued = True
             if not src.finished:
                 continue
-            done = src.failed is not None or src.served()
-            fam = sampling_family(src.req_id) if src.mode == "pull" else None
-            if fam is not None:
-                if done and src.msgs:
-                    self.families_served[fam] = None
-                    while len(self.families_served) > 4096:
-                        self.families_served.pop(next(iter(self.families_served)))
-                elif not src.dsts and fam in self.families_served:
-                    done = True
+            if self._family(src) is not None:  # a family's pulls may go to any one of its sources
+                done = src.failed is not None or (
+                    self._family_served(src) and all(d.final_sent or d.cancelled for d in src.dsts))
+            else:
+                done = src.failed is not None or src.served()
             if not done and now >= src.lease_until:
                 log.warning("kvtransport: prefill request %s (transfer %s): lease expired (%d destination(s) still "
                             "missing, no word from a decode for %gs); freeing its blocks", src.req_id, src.xfer,
