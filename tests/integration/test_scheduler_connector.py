@@ -508,3 +508,30 @@ def test_debug_hold_keeps_a_decode_request_waiting_and_renewing(pair) -> None:
     plain = pair()  # the request flag alone does nothing
     _, dparams = plain.push_params("x-plain")
     _decode_admit(plain, make_request(list(range(10, 50)), params={**dparams, "kvt_debug_hold": True}))
+
+
+def test_a_pull_for_a_freed_transfer_is_refused_without_an_engine_step(pair) -> None:
+    """A decode asking for a transfer the prefill already freed gets its failure from the side channel's
+    reader at once: the prefill's scheduler does not run while its engine is idle."""
+    pr = pair()
+    prompt = list(range(900, 950))
+    toy = {"do_remote_decode": True, "do_remote_prefill": False}
+    preq = make_request(prompt, params=toy, max_tokens=1)
+    pr.p.add_request(preq)
+    so = pr.p.schedule()
+    kv = _kv_params(pr.p.update_from_output(so, runner_output([preq])))
+    d0 = make_request(prompt, params=dict(kv))
+    _decode_admit(pr, d0)
+    wait_until(lambda: (pr.p.update_from_output(
+        so := pr.p.schedule(), empty_output(sending=set(plan_of(so).send_release))), not pr.p.requests)[1])
+    assert kv["remote_request_id"] in pr.pc.gone
+    late = make_request(prompt, params=dict(kv))
+    _decode_admit(pr, late)  # no prefill schedule() from here on: the engine is idle
+    failed: list = []
+
+    def told() -> bool:
+        so = pr.d.schedule()
+        failed.extend(plan_of(so).recv_fail)
+        pr.d.update_from_output(so, empty_output())
+        return late.request_id in failed
+    wait_until(told, timeout=10)

@@ -130,7 +130,8 @@ class SchedulerSide:
         self.server: SideChannelServer | None = None
         if producer:
             self.server = SideChannelServer(self.host, settings.side_channel_port, engine_id, self.compat,
-                                            self.inbox, settings.connect_timeout, lease=settings.lease)
+                                            self.inbox, settings.connect_timeout, lease=settings.lease,
+                                            answer_now=self._answer_now)
             self.port = self.server.port
             log.info("kvtransport connector: side channel of engine %s on %s:%d", engine_id, self.host, self.port)
         else:
@@ -440,6 +441,24 @@ class SchedulerSide:
                                                    f"{self.settings.lease:g}s")
         for xfer in [x for x, (dl, _) in self.holds.items() if dl <= now]:
             del self.holds[xfer]
+
+    def _answer_now(self, msg: dict[str, Any]) -> dict[str, Any] | None:
+        """Side-channel reader thread: a destination for a transfer this prefill already freed is refused at
+        once — an idle engine would only see it at its next step (minutes, or the decode's timeout). Reads
+        ``gone``/``sources`` only (a freed transfer never comes back); everything else goes to the inbox."""
+        if msg.get("type") != "dst":
+            return None
+        xfer = str(msg.get("xfer"))
+        gone, sources = getattr(self, "gone", None), getattr(self, "sources", None)  # None while starting
+        why = gone.get(xfer) if gone is not None else None
+        if why is None or sources is None or xfer in sources:
+            return None
+        seqs = [str(d.get("seq")) for d in msg.get("dsts", []) if isinstance(d, dict)]
+        if not seqs:
+            return None
+        log.warning("kvtransport: transfer %s to %s failed: prefill cannot serve transfer %s: %s", seqs,
+                    msg.get("engine", "a decode"), xfer, why)
+        return {"type": "fail", "seqs": seqs, "reason": f"prefill cannot serve transfer {xfer}: {why}"}
 
     def _on_message(self, engine: str, msg: dict[str, Any], now: float) -> None:
         mtype = msg.get("type")

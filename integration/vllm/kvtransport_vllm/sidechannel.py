@@ -93,8 +93,12 @@ class SideChannelServer:
     """
 
     def __init__(self, address: str, port: int, engine_id: str, compat: CompatFn, inbox: Inbox,
-                 timeout: float, lease: float = 0.0) -> None:
+                 timeout: float, lease: float = 0.0,
+                 answer_now: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None) -> None:
+        """``answer_now(msg)``, called on the connection's reader thread for each message: a reply to send at
+        once instead of queueing ``msg`` for the scheduler (which runs only while its engine steps), or None."""
         self.engine_id = engine_id
+        self._answer_now = answer_now
         self.lease = lease
         self._compat = compat
         self._inbox = inbox
@@ -155,7 +159,11 @@ class SideChannelServer:
             self._inbox.put(("hello", engine, hello))
             while True:
                 msg = recv_message(sock)
-                self._inbox.put(("msg", engine, msg))
+                reply = self._answer_now(msg) if self._answer_now is not None else None
+                if reply is not None:
+                    conn.send(reply)
+                else:
+                    self._inbox.put(("msg", engine, msg))
         except (OSError, ProtocolFailure, KeyError) as exc:
             why = str(exc)
             if not self._closed:
