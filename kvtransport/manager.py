@@ -1101,6 +1101,9 @@ class _Outbound:
                     self._on_abort(*wire.decode_abort(payload))
                 elif kind == FrameType.PONG:
                     pass
+                elif kind == FrameType.REFUSE:  # the receiver's side of the link set-up failed after WELCOME
+                    why = wire.error_from_wire(wire.parse_json_payload(payload, "REFUSE"))
+                    raise PeerDisconnected(f"the receiver refused the link after the handshake: {type(why).__name__}: {why}")
                 else:
                     raise ProtocolError(f"unexpected {kind.name} frame from receiver")
         except KVTransportError as exc:

@@ -325,3 +325,28 @@ def test_a_busy_side_channel_port_is_a_configuration_error():
         port = busy.getsockname()[1]
         with pytest.raises(kt.ConfigurationError, match=f"cannot listen on 127.0.0.1:{port}.*KV_TRANSPORT_PORT"):
             kt.open(HostCache(SPEC).layout, backend="inproc", port=port)
+
+
+def test_a_receiver_failing_after_welcome_reports_its_reason_to_the_sender(pair, monkeypatch):
+    """The receiver's side of a link can fail after it sent WELCOME (e.g. its half of a rendezvous timed
+    out): it sends REFUSE, and the sender's link fails with the receiver's reason, not an opaque one."""
+    from kvtransport.testing import inproc
+
+    s, r, _, _ = pair
+
+    class FailingAnswer(inproc._Answer):
+        def complete(self, timeout):
+            raise kt.TransferError("rendezvous half timed out")
+
+    monkeypatch.setattr(inproc, "_Answer", FailingAnswer)
+    peer = s.connect(r.metadata())
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            s.put_layer(peer, "q", 0, [1], [1])
+            s.flush(peer, timeout=1)
+        except kt.PeerDisconnected as exc:
+            assert "refused the link after the handshake" in str(exc) and "rendezvous half timed out" in str(exc)
+            break
+        assert time.monotonic() < deadline, "the sender never learned that the receiver refused the link"
+        time.sleep(0.05)

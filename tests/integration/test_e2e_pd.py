@@ -139,7 +139,7 @@ def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
             **conn, "kv_connector_module_path": "kvtransport_vllm.connector", "kv_role": "kv_producer",
             "kv_connector_extra_config": {"mode": "pull"}}), env, ports["P2"], log_dir),
         "D": Proc("decode", vllm_cmd(tiny_model, ports["D"], {
-            **conn, "kv_role": "kv_consumer", "kv_connector_extra_config": {"connect_timeout": 10}}), env, ports["D"],
+            **conn, "kv_role": "kv_consumer", "kv_connector_extra_config": {"connect_timeout": 30}}), env, ports["D"],
             log_dir),
     }
     try:
