@@ -159,7 +159,7 @@ class _Driver:
     NOT_READY = 600
 
     def __init__(self) -> None:
-        lib = ctypes.CDLL("libcuda.so.1")
+        self.lib = lib = ctypes.CDLL("libcuda.so.1")  # subclasses bind further calls from it
         vp, ui = ctypes.c_void_p, ctypes.c_uint
         self.launch = lib.cuLaunchKernel
         self.launch.argtypes = [vp, ui, ui, ui, ui, ui, ui, ui, vp, ctypes.POINTER(vp), vp]

@@ -40,23 +40,18 @@ class _IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * 64)]
 
 
-class _IpcDriver:
-    """The CUDA IPC driver calls, through ctypes (no CUDA headers or bindings required)."""
+class _IpcDriver(_CopyDriver):
+    """The copy path's driver calls (address ranges, error wording) plus CUDA IPC's, through ctypes."""
 
     def __init__(self) -> None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        u64, sz = ctypes.c_uint64, ctypes.c_size_t
-        self.get_range = lib.cuMemGetAddressRange_v2
-        self.get_range.argtypes = [ctypes.POINTER(u64), ctypes.POINTER(sz), u64]
-        self.get_handle = lib.cuIpcGetMemHandle
+        super().__init__()
+        u64 = ctypes.c_uint64
+        self.get_handle = self.lib.cuIpcGetMemHandle
         self.get_handle.argtypes = [ctypes.POINTER(_IpcHandle), u64]
-        self.open_handle = lib.cuIpcOpenMemHandle_v2
+        self.open_handle = self.lib.cuIpcOpenMemHandle_v2
         self.open_handle.argtypes = [ctypes.POINTER(u64), _IpcHandle, ctypes.c_uint]
-        self.close_handle = lib.cuIpcCloseMemHandle
+        self.close_handle = self.lib.cuIpcCloseMemHandle
         self.close_handle.argtypes = [u64]
-        self.check = _CopyDriver.check.__get__(self)  # the same error wording as the copy path
-        self._error_string = lib.cuGetErrorString
-        self._error_string.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
 
 
 _driver: _IpcDriver | None = None
@@ -78,7 +73,7 @@ def export_extents(extents: list[tuple[int, int]]) -> list[list[Any]]:
     out: list[list[Any]] = []
     for addr, length in extents:
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        drv.check(drv.get_range(ctypes.byref(base), ctypes.byref(size), addr), "cuMemGetAddressRange")
+        drv.check(drv.address_range(ctypes.byref(base), ctypes.byref(size), addr), "cuMemGetAddressRange")
         if addr + length > base.value + size.value:
             raise TransferError("a KV extent spans several CUDA allocations; CUDA IPC needs one allocation per extent")
         handle = _IpcHandle()

@@ -256,7 +256,6 @@ class _UcxOutLink(OutboundLink):
         names = sorted({tl for tl, _ in lanes})
         self.lanes = ",".join(names) or "unknown"
         self.ipc: Any = None  # CUDA IPC: the peer's mapped KV memory (a cudaipc.PeerMapping)
-        self.copier: Any = None  # ... the transport's shared cudacopy.SegmentCopier
         self.ipc_putter: Any = None  # ... and the cudacopy.MappedPutter that launches this link's puts
         self._ipc_closed = False  # set by close(); the three above stay (a racing signal finds them)
         if tr.cuda and info.get("memory") == "cuda" and info.get("host") == host_id() and info.get("ipc"):
@@ -265,14 +264,14 @@ class _UcxOutLink(OutboundLink):
 
                 from .cudaipc import PeerMapping
 
-                self.copier = tr.copier()
-                self.ipc = PeerMapping(info["ipc"], same_process=info.get("pid") == os.getpid(), copier=self.copier)
-                self.ipc_putter = MappedPutter(tr.layout, peer.layout, self.ipc, self.copier)
+                copier = tr.copier()
+                self.ipc = PeerMapping(info["ipc"], same_process=info.get("pid") == os.getpid(), copier=copier)
+                self.ipc_putter = MappedPutter(tr.layout, peer.layout, self.ipc, copier)
                 names = ["cuda-ipc kernel"]
             except Exception as exc:  # CuPy missing, IPC refused: fall back to UCX puts, and say so
                 if self.ipc is not None:
                     self.ipc.close()
-                self.ipc = self.copier = self.ipc_putter = None
+                self.ipc = self.ipc_putter = None
                 log.warning("ucx: CUDA IPC kernel path unavailable (%s); using UCX puts (%s)", exc, self.lanes)
         if self.ipc is not None:
             self.lanes = "cuda-ipc kernel"
@@ -417,7 +416,7 @@ class _UcxOutLink(OutboundLink):
                 on_wait(box)
             if parking is not None:
                 parking.park()
-            return max(0, int(after.sent)) if wait_in_c(self.copier, event, timeout, after) else 0
+            return max(0, int(after.sent)) if wait_in_c(self.ipc_putter.copier, event, timeout, after) else 0
         tr = self.tr
         deadline = time.monotonic() + timeout
         with tr.lock:
