@@ -17,6 +17,27 @@ typedef void (*kvt_request_free_fn)(void *request);
 #define KVT_PTR_IS_ERR(_p) (((uintptr_t)(_p)) >= ((uintptr_t)(intptr_t)-100))
 
 /*
+ * Issue one put: 0 when issued (a request still in flight is released to UCP, which frees it on
+ * completion), -1 when it failed, with its (negative) ucs_status_t in *err_status.
+ */
+static inline int kvt_put_one(kvt_put_nbx_fn put_nbx, kvt_request_free_fn request_free, void *ep,
+                              uint64_t local_addr, size_t length, uint64_t remote_addr, void *rkey,
+                              const void *param, int64_t *err_status)
+{
+    void *req = put_nbx(ep, (const void *)(uintptr_t)local_addr, length, remote_addr, rkey, param);
+
+    if (req == NULL) {
+        return 0;
+    }
+    if (KVT_PTR_IS_ERR(req)) {
+        *err_status = (int64_t)(intptr_t)req;
+        return -1;
+    }
+    request_free(req);
+    return 0;
+}
+
+/*
  * Issue n puts.  Returns the number issued; when it is < n, *err_status holds
  * the (negative) ucs_status_t of the failed put at that index.  Requests that
  * are still in flight are released with request_free (UCP frees them on
@@ -29,20 +50,13 @@ int64_t kvt_put_batch(kvt_put_nbx_fn put_nbx, kvt_request_free_fn request_free,
                       size_t n, int64_t *err_status)
 {
     size_t i;
-    void *req;
 
     for (i = 0; i < n; ++i) {
-        req = put_nbx(ep, (const void *)(uintptr_t)local_addrs[i],
-                      (size_t)(lengths ? lengths[i] : length_if_scalar),
-                      remote_addrs[i], rkey, param);
-        if (req == NULL) {
-            continue;
-        }
-        if (KVT_PTR_IS_ERR(req)) {
-            *err_status = (int64_t)(intptr_t)req;
+        if (kvt_put_one(put_nbx, request_free, ep, local_addrs[i],
+                        (size_t)(lengths ? lengths[i] : length_if_scalar), remote_addrs[i], rkey, param,
+                        err_status)) {
             return (int64_t)i;
         }
-        request_free(req);
     }
     return (int64_t)n;
 }
@@ -59,19 +73,12 @@ int64_t kvt_put_batch_rel(kvt_put_nbx_fn put_nbx, kvt_request_free_fn request_fr
                           size_t n, int64_t *err_status)
 {
     size_t i;
-    void *req;
 
     for (i = 0; i < n; ++i) {
-        req = put_nbx(ep, (const void *)(uintptr_t)(local_base + local_offs[i]), (size_t)lengths[i],
-                      remote_base + remote_offs[i], rkey, param);
-        if (req == NULL) {
-            continue;
-        }
-        if (KVT_PTR_IS_ERR(req)) {
-            *err_status = (int64_t)(intptr_t)req;
+        if (kvt_put_one(put_nbx, request_free, ep, local_base + local_offs[i], (size_t)lengths[i],
+                        remote_base + remote_offs[i], rkey, param, err_status)) {
             return (int64_t)i;
         }
-        request_free(req);
     }
     return (int64_t)n;
 }
