@@ -9,6 +9,7 @@ would cross. Figures for the record come from ``kvtransport bench --workloads la
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import statistics
 import threading
@@ -44,6 +45,21 @@ def pair(helper_mode):
     src, dst = HostCache(SPEC, fill_seed=7), HostCache(SPEC)
     with kt.open(src.layout, backend="ucx") as s, kt.open(dst.layout, backend="ucx") as r:
         yield s, r, src, dst
+
+
+BIG = CacheSpec(num_layers=2, num_blocks=1024, heads=8, block_size=16, head_dim=64, order="NHD")  # 32 MiB/layer
+
+
+@contextlib.contextmanager
+def big_cma_pair(fill_seed: int):
+    """Sender and receiver managers over BIG caches, connected; skips unless UCX picked CMA (whose puts
+    need worker progress, so a flush takes long enough to act during it). Yields (s, r, src, dst, peer)."""
+    src, dst = HostCache(BIG, fill_seed=fill_seed), HostCache(BIG)
+    with kt.open(src.layout, backend="ucx") as s, kt.open(dst.layout, backend="ucx") as r:
+        peer = s.connect(r.metadata())
+        if "cma" not in peer._state.link.lanes:
+            pytest.skip(f"lanes {peer._state.link.lanes}: puts may complete without progress")
+        yield s, r, src, dst, peer
 
 
 def test_flush_lands_puts_that_no_signal_followed(pair, monkeypatch):
@@ -118,13 +134,8 @@ def test_a_small_put_lands_inline_and_its_signal_needs_no_thread(pair, monkeypat
 def test_a_put_gets_the_worker_during_a_long_flush(helper_mode):
     if helper_mode == "python":
         pytest.skip("same slicing in both modes")
-    big = CacheSpec(num_layers=2, num_blocks=1024, heads=8, block_size=16, head_dim=64, order="NHD")  # 32 MiB/layer
-    src, dst = HostCache(big, fill_seed=1), HostCache(big)
-    with kt.open(src.layout, backend="ucx") as s, kt.open(dst.layout, backend="ucx") as r:
-        peer = s.connect(r.metadata())
+    with big_cma_pair(fill_seed=1) as (s, _, src, dst, peer):
         link = peer._state.link
-        if "cma" not in link.lanes:
-            pytest.skip(f"lanes {link.lanes}: puts may complete without progress")
         worker = link.ep.worker
         tr = link.tr
         in_flush = threading.Event()
@@ -153,7 +164,7 @@ def test_a_put_gets_the_worker_during_a_long_flush(helper_mode):
             acquire_for_put()  # the put holds the worker lock now: the flush cannot finish meanwhile
             got_worker_before_flush_ended.append(not flush_request_done.is_set())
 
-        ids = list(range(big.num_blocks))
+        ids = list(range(BIG.num_blocks))
         s.put_layer(peer, "big", 0, ids, ids)
         flushed = threading.Event()
         errors: list[BaseException] = []
@@ -249,14 +260,9 @@ def test_a_signal_queued_behind_a_flush_leaves_with_it(helper_mode):
     instead of waiting for the signaller to get the interpreter back."""
     if helper_mode == "python":
         pytest.skip("the mailbox needs the C helper")
-    big = CacheSpec(num_layers=2, num_blocks=1024, heads=8, block_size=16, head_dim=64, order="NHD")  # 32 MiB/layer
-    src, dst = HostCache(big, fill_seed=2), HostCache(big)
-    with kt.open(src.layout, backend="ucx") as s, kt.open(dst.layout, backend="ucx") as r:
-        peer = s.connect(r.metadata())
+    with big_cma_pair(fill_seed=2) as (s, r, src, dst, peer):
         st = peer._state
-        if "cma" not in st.link.lanes:
-            pytest.skip(f"lanes {st.link.lanes}: puts may complete without progress")
-        ids = list(range(big.num_blocks))
+        ids = list(range(BIG.num_blocks))
         # Deterministic: the signaller's wait is held open (after its mailbox opened, before the wait in C
         # starts) until signal() has run, instead of racing a poll loop against a few-ms flush.
         real_fs = st._flush_and_send_fn
