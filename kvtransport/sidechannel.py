@@ -23,16 +23,22 @@ RECV_CHUNK = 64 << 10
 """Receive buffer: a batch of control frames arrives in one call; larger frames get their own buffer."""
 
 
+def block_with_send_bound(sock: socket.socket, send_timeout: float) -> None:
+    """Put ``sock`` in blocking mode with every send bounded by the kernel (SO_SNDTIMEO, ``send_timeout``
+    seconds): a peer that is alive but stopped reading makes a send fail (BlockingIOError) instead of
+    blocking for ever. Reads stay unbounded: their callers poll with deadlines or are woken by close."""
+    sock.settimeout(None)
+    secs = max(send_timeout, 0.001)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(secs), int((secs - int(secs)) * 1e6)))
+
+
 class FramedSocket:
     """A connected TCP socket speaking kvtransport frames. ``send`` is thread-safe; one thread reads."""
 
     def __init__(self, sock: socket.socket, peer_label: str, send_timeout: float) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        sock.settimeout(None)  # blocking, once; bounds come from SO_SNDTIMEO and poll (module docstring)
-        secs = max(send_timeout, 0.001)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                        struct.pack("ll", int(secs), int((secs - int(secs)) * 1e6)))
+        block_with_send_bound(sock, send_timeout)  # bounds come from SO_SNDTIMEO and poll (module docstring)
         self.sock = sock
         self.peer_label = peer_label
         self.send_timeout = send_timeout

@@ -16,11 +16,12 @@ from __future__ import annotations
 import logging
 import queue
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from kvtransport.sidechannel import block_with_send_bound
 
 from .protocol import PROTOCOL_VERSION, ProtocolFailure, describe_mismatch, recv_message, send_message
 
@@ -42,9 +43,7 @@ class _Conn:
     keepalive probes a silent peer."""
 
     def __init__(self, sock: socket.socket, label: str, send_timeout: float) -> None:
-        sock.settimeout(None)
-        secs = max(send_timeout, 0.001)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(secs), int((secs - int(secs)) * 1e6)))
+        block_with_send_bound(sock, send_timeout)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             for opt, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
