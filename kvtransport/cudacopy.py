@@ -170,6 +170,7 @@ class _Driver:
         self.query = lib.cuEventQuery
         self.query.argtypes = [vp]
         self.query.restype = ctypes.c_int
+        self.query_addr = ctypes.cast(self.query, vp).value  # for waits written in C (the ucx helper)
         self.ctx_get = lib.cuCtxGetCurrent
         self.ctx_get.argtypes = [ctypes.POINTER(vp)]
         self.ctx_set = lib.cuCtxSetCurrent

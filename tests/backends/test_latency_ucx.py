@@ -369,7 +369,7 @@ def test_cuda_ipc_wait_in_c_outcomes(monkeypatch):
 
     fallback_waits: list[float] = []
     copier = types.SimpleNamespace(
-        driver=types.SimpleNamespace(query=query),
+        driver=types.SimpleNamespace(query_addr=ctypes.cast(query, ctypes.c_void_p).value),
         enter_context=lambda: None,
         leave_context=lambda prev: None,
         wait=lambda mark, timeout: fallback_waits.append(timeout),

@@ -148,7 +148,7 @@ def wait_in_c(copier: SegmentCopier, mark: Any, timeout: float, after: _ucp.Afte
     TransferTimeout past ``timeout``; TransferError on a CUDA error."""
     if mark is None:
         return False
-    fn = ctypes.cast(copier.driver.query, ctypes.c_void_p).value
+    fn = copier.driver.query_addr
     deadline = time.monotonic() + timeout
     if fn and _ucp.wait_helpers() is not None and not _c_wait_refused:
         prev = copier.enter_context()  # the driver call needs the device's context current on this thread

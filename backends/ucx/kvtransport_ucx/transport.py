@@ -44,6 +44,7 @@ from kvtransport.backend import (
 )
 from kvtransport.coalesce import BlockRun
 from kvtransport.config import Settings, host_id
+from kvtransport.cudacopy import MappedPutter, allocation_extents
 from kvtransport.cudacopy import segments as _segments
 from kvtransport.cudacopy import uniform as _uniform
 from kvtransport.errors import (
@@ -57,7 +58,7 @@ from kvtransport.errors import (
 )
 from kvtransport.layout import KVLayout
 
-from . import _ucp
+from . import _ucp, cudaipc
 
 log = logging.getLogger("kvtransport.ucx")
 OPTIONS = ("tls",)
@@ -110,8 +111,6 @@ class UcxTransport(Transport):
             mem_type: Literal["host", "cuda"] = "cuda" if self.cuda else "host"
             self.extents = layout.extents()
             if self.cuda:  # one registration per CUDA allocation (a merged extent may span several)
-                from kvtransport.cudacopy import allocation_extents
-
                 self.extents = allocation_extents(self.extents)
             self.regions = [self.ctx.mem_map(addr, length, memory_type=mem_type) for addr, length in self.extents]
         except _ucp.UcpError as exc:
@@ -120,8 +119,6 @@ class UcxTransport(Transport):
         self.ipc_note = ""
         if self.cuda:
             try:
-                from . import cudaipc
-
                 self.ipc_exports = cudaipc.export_extents(self.extents)
             except Exception as exc:  # no driver access or an unusual allocator: UCX puts still work
                 self.ipc_note = f"CUDA IPC export failed ({exc}); using UCX puts"
@@ -260,12 +257,8 @@ class _UcxOutLink(OutboundLink):
         self._ipc_closed = False  # set by close(); the three above stay (a racing signal finds them)
         if tr.cuda and info.get("memory") == "cuda" and info.get("host") == host_id() and info.get("ipc"):
             try:
-                from kvtransport.cudacopy import MappedPutter
-
-                from .cudaipc import PeerMapping
-
                 copier = tr.copier()
-                self.ipc = PeerMapping(info["ipc"], same_process=info.get("pid") == os.getpid(), copier=copier)
+                self.ipc = cudaipc.PeerMapping(info["ipc"], same_process=info.get("pid") == os.getpid(), copier=copier)
                 self.ipc_putter = MappedPutter(tr.layout, peer.layout, self.ipc, copier)
                 names = ["cuda-ipc kernel"]
             except Exception as exc:  # CuPy missing, IPC refused: fall back to UCX puts, and say so
@@ -405,8 +398,6 @@ class _UcxOutLink(OutboundLink):
         after = _ucp.After.make(parked=flag, since=since, fd=fd, data=data)
         gil_free = _ucp.wait_helpers() is not None
         if self.ipc_putter is not None:
-            from .cudaipc import wait_in_c
-
             event = self.ipc_putter.last_event
             if event is None:
                 return 0
@@ -416,7 +407,7 @@ class _UcxOutLink(OutboundLink):
                 on_wait(box)
             if parking is not None:
                 parking.park()
-            return max(0, int(after.sent)) if wait_in_c(self.ipc_putter.copier, event, timeout, after) else 0
+            return max(0, int(after.sent)) if cudaipc.wait_in_c(self.ipc_putter.copier, event, timeout, after) else 0
         tr = self.tr
         deadline = time.monotonic() + timeout
         with tr.lock:
