@@ -57,7 +57,8 @@ def open(  # noqa: A001 - the name the contract asks for
 
     Backend: ``backend`` argument, else ``KV_TRANSPORT``, else the best available for the layout's memory.
     Interface: ``ifname``, else ``NET_IFNAME``, else loopback. Core options: ``capacity`` (sequence slots),
-    ``timeout`` (seconds, default bound for connect/handshake), ``port``, ``secret``, ``coalesce``;
+    ``timeout`` (seconds, default bound for connect/handshake), ``port``, ``secret``, ``coalesce``,
+    ``checksum``, ``doorbell`` (False: completions only by the side channel; see kvtransport.doorbell);
     other keyword options go to the backend. Blocking only for backend set-up. Raises
     ConfigurationError subclasses (each names the fix) or LayoutError.
     """

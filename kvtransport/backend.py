@@ -93,7 +93,14 @@ class OutboundLink(ABC):
       signaller thread (ucx, mscclpp).
     * ``flush_and_send(timeout, fd, data, parking, on_wait) -> int``: flush, then write ``data`` to the side
       channel's socket ``fd`` from the same GIL-free wait; returns the bytes written (ucx's C helper).
+    * ``doorbell``: an object with ``doorbell_map(address, size) -> int | None`` (make host memory
+      writable from the device; its device address, or None), ``doorbell_write(device_address, value)``
+      (enqueue a store that runs after every put so far has landed; non-blocking) and
+      ``doorbell_unmap(address)``; or None. Links whose puts are device launches into peer-mapped memory
+      on one host offer it (kvtransport.doorbell: the receiver sees completion without the side channel).
     """
+
+    doorbell: Any = None
 
     @abstractmethod
     def put(self, layer: int, runs: Sequence[BlockRun]) -> None:
@@ -101,6 +108,14 @@ class OutboundLink(ABC):
 
         Two-sided backends: called right after the PUT header went out; the receiver's ``receive`` gets the
         same runs. One-sided: the bytes must be in the peer's memory once ``flush`` returns."""
+
+    def put_layers(self, layers: Sequence[int], runs: Sequence[BlockRun]) -> None:
+        """The same ``runs`` of every layer in ``layers``, in one call (a whole request). Same contract as
+        :meth:`put`, layer by layer; this default calls it per layer. Backends that can move many layers in
+        one operation (one device launch) override it; two-sided backends keep the default (their receiver
+        takes one PUT per layer)."""
+        for layer in layers:
+            self.put(layer, runs)
 
     @abstractmethod
     def flush(self, timeout: float) -> None:

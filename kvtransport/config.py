@@ -8,6 +8,8 @@ Environment variables:
     KV_TRANSPORT_PORT     side-channel port (default 0: any free port)
     KV_TRANSPORT_TIMEOUT  default bound in seconds for connect/handshake/internal waits (default 30)
     KV_TRANSPORT_CHECKSUM 1: debug option, CRC-32 of every put verified on arrival (host memory)
+    KV_TRANSPORT_DOORBELL 0: signals only by the side channel, never by a device-written doorbell
+                          (kvtransport.doorbell; default 1: used where the link can write one)
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Settings:
     secret: bytes | None = field(default=None, repr=False)
     coalesce: bool = True
     checksum: bool = False
+    doorbell: bool = True
     backend_options: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -63,6 +66,8 @@ def resolve(
         core["timeout"] = _env_float(env, "KV_TRANSPORT_TIMEOUT")
     if "checksum" not in core and env.get("KV_TRANSPORT_CHECKSUM"):
         core["checksum"] = env["KV_TRANSPORT_CHECKSUM"].strip().lower() in ("1", "true", "yes", "on")
+    if "doorbell" not in core and env.get("KV_TRANSPORT_DOORBELL"):
+        core["doorbell"] = env["KV_TRANSPORT_DOORBELL"].strip().lower() not in ("0", "false", "no", "off")
     secret = core.pop("secret", None)
     if secret is None and env.get("KV_TRANSPORT_SECRET"):
         secret = env["KV_TRANSPORT_SECRET"]

@@ -20,6 +20,7 @@ import bisect
 import collections
 import ctypes
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -59,7 +60,38 @@ extern "C" __global__ void kvt_segment_copy(const unsigned long long* __restrict
     }
     __threadfence_system();
 }
+
+// Every layer of a request in one launch: blockIdx.y picks the layer, whose (source, destination) base
+// addresses are bases[2 * y], bases[2 * y + 1]; the segment table is the one kvt_segment_copy uses.
+extern "C" __global__ void kvt_segment_copy_layers(const unsigned long long* __restrict__ segs, int n,
+                                                   const unsigned long long* __restrict__ bases) {
+    int i = blockIdx.x;
+    if (i >= n) return;
+    const unsigned long long src_base = bases[2 * blockIdx.y], dst_base = bases[2 * blockIdx.y + 1];
+    const unsigned long long src = src_base + segs[3 * i], dst = dst_base + segs[3 * i + 1], len = segs[3 * i + 2];
+    if (((src | dst | len) & 15ull) == 0) {
+        const int4* s = reinterpret_cast<const int4*>(src);
+        int4* d = reinterpret_cast<int4*>(dst);
+        const unsigned long long n16 = len >> 4;
+        for (unsigned long long k = threadIdx.x; k < n16; k += blockDim.x) d[k] = s[k];
+    } else {
+        const unsigned char* s = reinterpret_cast<const unsigned char*>(src);
+        unsigned char* d = reinterpret_cast<unsigned char*>(dst);
+        for (unsigned long long k = threadIdx.x; k < len; k += blockDim.x) d[k] = s[k];
+    }
+    __threadfence_system();
+}
+
+// A doorbell (kvtransport.doorbell): after every copy before it on the stream, store ``value`` into a
+// completion word in host memory the receiver reads.
+extern "C" __global__ void kvt_doorbell(unsigned long long* word, unsigned long long value) {
+    __threadfence_system();
+    *reinterpret_cast<volatile unsigned long long*>(word) = value;
+    __threadfence_system();
+}
 """
+MAX_GRID_Y = 65535
+"""CUDA's limit on a grid's y dimension: the most layers one ``kvt_segment_copy_layers`` launch covers."""
 
 
 def segments(local: LayerRegion, remote: LayerRegion, runs: Sequence[BlockRun]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -119,11 +151,19 @@ class PeerWindows:
 
     def translate_range(self, remote: int, nbytes: int) -> int:
         """Local pointer for the peer range ``[remote, remote + nbytes)``; it must lie in one extent."""
-        i = bisect.bisect_right(self._starts, remote) - 1
-        if i < 0 or remote + nbytes > self._rows[i][1]:
+        local, room = self.locate(remote)
+        if nbytes > room:
             raise TransferError("a put targets memory outside the peer's registered KV cache")
-        start, _, local = self._rows[i]
-        return local + (remote - start)
+        return local
+
+    def locate(self, remote: int) -> tuple[int, int]:
+        """(local pointer of peer address ``remote``, bytes its extent holds from there on); TransferError
+        when no extent holds it."""
+        i = bisect.bisect_right(self._starts, remote) - 1
+        if i < 0 or remote >= self._rows[i][1]:
+            raise TransferError("a put targets memory outside the peer's registered KV cache")
+        start, end, local = self._rows[i]
+        return local + (remote - start), end - remote
 
     def translate(self, remote: np.ndarray, lens: np.ndarray) -> np.ndarray:
         idx = np.searchsorted(self.starts, remote, side="right") - 1
@@ -178,6 +218,18 @@ class _Driver:
         self.address_range = lib.cuMemGetAddressRange_v2
         self.address_range.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
         self.address_range.restype = ctypes.c_int
+        self.host_register = lib.cuMemHostRegister_v2
+        self.host_register.argtypes = [vp, ctypes.c_size_t, ui]
+        self.host_register.restype = ctypes.c_int
+        self.host_unregister = lib.cuMemHostUnregister
+        self.host_unregister.argtypes = [vp]
+        self.host_unregister.restype = ctypes.c_int
+        self.host_device_pointer = lib.cuMemHostGetDevicePointer_v2
+        self.host_device_pointer.argtypes = [ctypes.POINTER(ctypes.c_uint64), vp, ui]
+        self.host_device_pointer.restype = ctypes.c_int
+        self.stream_wait_event = lib.cuStreamWaitEvent
+        self.stream_wait_event.argtypes = [vp, vp, ui]
+        self.stream_wait_event.restype = ctypes.c_int
         self._error_string = lib.cuGetErrorString
         self._error_string.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
 
@@ -235,7 +287,13 @@ class SegmentCopier:
         with cupy.cuda.Device(device_index):
             self.kernel = cupy.RawKernel(KERNEL, "kvt_segment_copy")
             self.kernel.compile()
+            self.layers_kernel = cupy.RawKernel(KERNEL, "kvt_segment_copy_layers")
+            self.layers_kernel.compile()
             self._func = ctypes.c_void_p(int(self.kernel.kernel.ptr))
+            self._layers_func = ctypes.c_void_p(int(self.layers_kernel.kernel.ptr))
+            self.bell_kernel = cupy.RawKernel(KERNEL, "kvt_doorbell")
+            self.bell_kernel.compile()
+            self._bell_func = ctypes.c_void_p(int(self.bell_kernel.kernel.ptr))
             self.ring = [cupy.cuda.Event(disable_timing=True) for _ in range(self.EVENTS)]
             ctx = ctypes.c_void_p()
             self.driver.check(self.driver.ctx_get(ctypes.byref(ctx)), "cuCtxGetCurrent")
@@ -248,8 +306,15 @@ class SegmentCopier:
         self._launch_lock = threading.Lock()
         self._args = (ctypes.c_uint64(), ctypes.c_int32(), ctypes.c_uint64(), ctypes.c_uint64())
         self._params = (ctypes.c_void_p * 4)(*(ctypes.addressof(a) for a in self._args))
+        self._layer_args = (ctypes.c_uint64(), ctypes.c_int32(), ctypes.c_uint64())
+        self._layer_params = (ctypes.c_void_p * 3)(*(ctypes.addressof(a) for a in self._layer_args))
+        self._bell_args = (ctypes.c_uint64(), ctypes.c_uint64())
+        self._bell_params = (ctypes.c_void_p * 2)(*(ctypes.addressof(a) for a in self._bell_args))
+        self._stream_events: dict[int, int] = {}  # stream -> event of its last launch, since the last doorbell
+        self._bell_done: Any = None  # recorded after each doorbell store
         self.inflight: collections.deque[tuple[Mark, Any]] = collections.deque()  # tables in use by kernels
         self._streams: dict[int, Any] = {}
+        self._raw_stream: Any = None
 
     _KEEP = -1
 
@@ -268,9 +333,18 @@ class SegmentCopier:
             self.driver.ctx_set(previous)
 
     def _stream_ptr(self) -> int:
-        import torch
+        """torch's current stream of the device (its private raw getter when there: ~0.2 µs instead of the
+        ~3 µs of building a ``torch.cuda.Stream``)."""
+        raw = self._raw_stream
+        if raw is None:
+            import torch
 
-        return int(torch.cuda.current_stream(self.device_index).cuda_stream)
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+            if raw is None:
+                def raw(index: int) -> int:
+                    return int(torch.cuda.current_stream(index).cuda_stream)
+            self._raw_stream = raw
+        return int(raw(self.device_index))
 
     def _stream(self) -> Any:
         """CuPy's handle on torch's current stream (cached: creating one costs microseconds)."""
@@ -288,6 +362,77 @@ class SegmentCopier:
         with self.cupy.cuda.Device(self.device_index), self._stream():
             return self.cupy.asarray(table), len(lens)
 
+    # ------------------------------------------------------------------ doorbells (kvtransport.doorbell)
+    def register_host(self, address: int, size: int) -> int:
+        """Pin and map host memory ``[address, address + size)`` for the device; returns its device address.
+        TransferError when the driver refuses (the caller then does without a doorbell)."""
+        drv = self.driver
+        prev = self.enter_context()
+        try:
+            drv.check(drv.host_register(address, size, 0x1 | 0x2), "cuMemHostRegister")  # PORTABLE | DEVICEMAP
+            dev = ctypes.c_uint64()
+            rc = drv.host_device_pointer(ctypes.byref(dev), address, 0)
+            if rc != 0:
+                drv.host_unregister(address)
+                drv.check(rc, "cuMemHostGetDevicePointer")
+            return int(dev.value)
+        finally:
+            self.leave_context(prev)
+
+    def unregister_host(self, address: int) -> None:
+        prev = self.enter_context()
+        try:
+            self.driver.host_unregister(address)
+        finally:
+            self.leave_context(prev)
+
+    def write_word(self, device_address: int, value: int) -> None:
+        """Enqueue, on torch's current stream, a store of ``value`` into the 8-byte word at
+        ``device_address`` that runs after every copy launched so far (on any stream). Non-blocking."""
+        drv = self.driver
+        with self._launch_lock:
+            stream = ctypes.c_void_p(self._stream_ptr())
+            prev = self.enter_context()
+            try:
+                for other, event in self._stream_events.items():
+                    if other != (stream.value or 0):  # copies launched on another stream come first too
+                        drv.check(drv.stream_wait_event(stream, event, 0), "cuStreamWaitEvent")
+                self._stream_events.clear()
+                a_word, a_value = self._bell_args
+                a_word.value, a_value.value = device_address, value
+                drv.check(drv.launch(self._bell_func, 1, 1, 1, 1, 1, 1, 0, stream, self._bell_params, None),
+                          "doorbell launch")
+                if self._bell_done is None:
+                    with self.cupy.cuda.Device(self.device_index):
+                        self._bell_done = self.cupy.cuda.Event(disable_timing=True)
+                drv.check(drv.record(self._bell_done.ptr, stream), "cuEventRecord")
+            finally:
+                self.leave_context(prev)
+
+    def bells_done(self, timeout: float) -> bool:
+        """Whether every doorbell store enqueued so far has run (polls up to ``timeout``); unregistering a
+        word a store is still headed for would fault the context."""
+        event = self._bell_done
+        if event is None:
+            return True
+        deadline = time.monotonic() + timeout
+        while True:
+            prev = self.enter_context()
+            try:
+                rc = int(self.driver.query(event.ptr))
+            finally:
+                self.leave_context(prev)
+            if rc != _Driver.NOT_READY:
+                return rc == 0
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(SLEEP_S)
+
+    def upload_array(self, values: np.ndarray) -> Any:
+        """A small uint64 array on the device (on the caller's current stream)."""
+        with self.cupy.cuda.Device(self.device_index), self._stream():
+            return self.cupy.asarray(np.ascontiguousarray(values, dtype=np.uint64))
+
     def launch(self, table: Any, n: int, src_base: int = 0, dst_base: int = 0) -> Mark:
         """One kernel: segment i copies ``len`` bytes from ``src_base + src_i`` to ``dst_base + dst_i``.
 
@@ -297,7 +442,9 @@ class SegmentCopier:
             if not self.fast:
                 return self._launch_cupy(table, n, src_base, dst_base)
             try:
-                return self._launch_fast(table, n, src_base, dst_base)
+                a_table, a_n, a_src, a_dst = self._args
+                a_table.value, a_n.value, a_src.value, a_dst.value = int(table.data.ptr), n, src_base, dst_base
+                return self._launch_fast(self._func, n, 1, self._params, table)
             except TransferError as exc:
                 if self._launched:
                     raise
@@ -305,14 +452,33 @@ class SegmentCopier:
                 log.warning("direct kernel launch failed (%s); using CuPy's launch (slower per put)", exc)
                 return self._launch_cupy(table, n, src_base, dst_base)
 
-    def _launch_fast(self, table: Any, n: int, src_base: int, dst_base: int) -> Mark:
+    def launch_layers(self, table: Any, n: int, bases: Any, layers: int) -> Mark:
+        """One kernel for ``layers`` layers: segment i of layer y copies ``len`` bytes from
+        ``bases[2y] + src_i`` to ``bases[2y + 1] + dst_i`` (``bases``: a device array of uint64).
+
+        Same stream and return as :meth:`launch`; ``layers`` ≤ MAX_GRID_Y."""
+        if not 0 < layers <= MAX_GRID_Y:
+            raise TransferError(f"one launch covers 1 to {MAX_GRID_Y} layers, not {layers}")
+        with self._launch_lock:
+            if not self.fast:
+                return self._launch_layers_cupy(table, n, bases, layers)
+            try:
+                a_table, a_n, a_bases = self._layer_args
+                a_table.value, a_n.value, a_bases.value = int(table.data.ptr), n, int(bases.data.ptr)
+                return self._launch_fast(self._layers_func, n, layers, self._layer_params, (table, bases))
+            except TransferError as exc:
+                if self._launched:
+                    raise
+                self.fast = False
+                log.warning("direct kernel launch failed (%s); using CuPy's launch (slower per put)", exc)
+                return self._launch_layers_cupy(table, n, bases, layers)
+
+    def _launch_fast(self, func: Any, grid_x: int, grid_y: int, params: Any, keep: Any) -> Mark:
         drv = self.driver
         stream = ctypes.c_void_p(self._stream_ptr())
         prev = self.enter_context()
         try:
-            a_table, a_n, a_src, a_dst = self._args
-            a_table.value, a_n.value, a_src.value, a_dst.value = int(table.data.ptr), n, src_base, dst_base
-            drv.check(drv.launch(self._func, n, 1, 1, 512, 1, 1, 0, stream, self._params, None), "copy kernel launch")
+            drv.check(drv.launch(func, grid_x, grid_y, 1, 512, 1, 1, 0, stream, params, None), "copy kernel launch")
             slot = self._next_event
             self._next_event = (slot + 1) % self.EVENTS
             event = self.ring[slot]
@@ -322,10 +488,11 @@ class SegmentCopier:
                 self.fresh_events += 1
             drv.check(drv.record(event.ptr, stream), "cuEventRecord")
             self.generations[slot] += 1
+            self._stream_events[stream.value or 0] = event.ptr
         finally:
             self.leave_context(prev)
         self._launched = True
-        return self._track(Mark(self, event, slot, self.generations[slot]), table)
+        return self._track(Mark(self, event, slot, self.generations[slot]), keep)
 
     def _launch_cupy(self, table: Any, n: int, src_base: int, dst_base: int) -> Mark:
         cupy = self.cupy
@@ -336,11 +503,25 @@ class SegmentCopier:
             event.record(stream)
         return self._track(Mark(self, event), table)
 
-    def _track(self, mark: Mark, table: Any) -> Mark:
-        """Keep ``table`` alive until the kernels using it are done."""
-        while self.inflight and self.inflight[0][0].done:
-            self.inflight.popleft()
-        self.inflight.append((mark, table))
+    def _launch_layers_cupy(self, table: Any, n: int, bases: Any, layers: int) -> Mark:
+        cupy = self.cupy
+        stream = self._stream()
+        with cupy.cuda.Device(self.device_index), stream:
+            self.layers_kernel((n, layers), (512,), (table, np.int32(n), bases))
+            event = cupy.cuda.Event(disable_timing=True)
+            event.record(stream)
+        return self._track(Mark(self, event), (table, bases))
+
+    TRACK_CHECK = 8
+    """Launches in flight before a launch looks for completed ones to let go (each look is a driver query)."""
+
+    def _track(self, mark: Mark, keep: Any) -> Mark:
+        """Keep ``keep`` (device tables) alive until the kernels using it are done."""
+        inflight = self.inflight
+        if len(inflight) >= self.TRACK_CHECK:
+            while inflight and inflight[0][0].done:
+                inflight.popleft()
+        inflight.append((mark, keep))
         return mark
 
     def wait(self, mark: Mark | None, timeout: float) -> None:
@@ -354,7 +535,10 @@ class SegmentCopier:
             now = time.monotonic()
             if now > deadline:
                 raise TransferTimeout(f"device copy did not finish within {timeout:.3g}s")
-            time.sleep(0 if now - start < SPIN_S else SLEEP_S)
+            if now - start < SPIN_S:
+                os.sched_yield()  # frees the GIL without the ~55 µs timer slack of time.sleep(0)
+            else:
+                time.sleep(SLEEP_S)
 
 
 class MappedPutter:
@@ -368,6 +552,7 @@ class MappedPutter:
         self._plans: collections.OrderedDict[int, tuple[Sequence[BlockRun], tuple[Any, int, int]]] = collections.OrderedDict()
         self._lbases = [layer.planes[0].base for layer in local.layers]
         self._rbases = [layer.planes[0].base for layer in remote.layers]
+        self._layer_bases: dict[tuple[int, ...], tuple[Any, int]] = {}
         self.last_event: Mark | None = None
 
     def _plan(self, runs: Sequence[BlockRun]) -> tuple[Any, int, int]:
@@ -402,6 +587,64 @@ class MappedPutter:
         src, dst, lens = segments(self.local.layers[layer], self.remote.layers[layer], runs)
         table, n = self.copier.upload(src, self.windows.translate(dst, lens), lens)
         self.last_event = self.copier.launch(table, n)
+
+    def _bases(self, layers: tuple[int, ...]) -> tuple[Any, int]:
+        """Device array of (local base, mapped peer base) per layer of ``layers``, and the bytes every layer's
+        peer window holds past its base (a request whose span exceeds it cannot use one launch)."""
+        hit = self._layer_bases.get(layers)
+        if hit is not None:
+            return hit
+        pairs, room = [], None
+        for layer in layers:
+            local, left = self.windows.locate(self._rbases[layer])
+            room = left if room is None else min(room, left)
+            pairs += [self._lbases[layer], local]
+        bases = self.copier.upload_array(np.array(pairs, dtype=np.uint64))
+        self._layer_bases[layers] = hit = (bases, int(room or 0))
+        if len(self._layer_bases) > PLANS:
+            self._layer_bases.pop(next(iter(self._layer_bases)))
+        return hit
+
+    def put_layers(self, layers: Sequence[int], runs: Sequence[BlockRun]) -> None:
+        """Launch the copy of ``runs`` of every layer in ``layers`` — one kernel when the layouts are uniform
+        and each layer's span lies in one peer allocation, else one launch per layer. Non-blocking."""
+        key = tuple(layers)
+        if self.uniform and 0 < len(key) <= MAX_GRID_Y:
+            table, n, span = self._plan(runs)
+            try:
+                bases, room = self._bases(key)
+            except TransferError:
+                room = -1  # a layer base outside the mapped windows: the per-layer path reports it
+            if span <= room:
+                self.last_event = self.copier.launch_layers(table, n, bases, len(key))
+                return
+        for layer in key:
+            self.put(layer, runs)
+
+    # a doorbell (kvtransport.doorbell): the manager finds these through the link's ``doorbell`` attribute
+    def doorbell_map(self, address: int, size: int) -> int | None:
+        """Map the host doorbell file for device stores; its device address, or None when not possible."""
+        if not self.copier.fast:
+            return None
+        try:
+            return self.copier.register_host(address, size)
+        except TransferError as exc:
+            log.info("no doorbell (signals go by the side channel only): %s", exc)
+            return None
+
+    def doorbell_write(self, device_address: int, value: int) -> None:
+        """Store ``value`` at ``device_address`` once every put launched so far has landed. Non-blocking."""
+        self.copier.write_word(device_address, value)
+
+    def doorbell_unmap(self, address: int) -> None:
+        """Undo :meth:`doorbell_map` once the stores headed there have run (else leave it mapped)."""
+        try:
+            if self.copier.bells_done(1.0):
+                self.copier.unregister_host(address)
+            else:
+                log.warning("doorbell stores still pending at close: leaving the doorbell page pinned")
+        except TransferError:
+            pass
 
     def landed(self, mark: Mark | None) -> bool:
         """Whether the launch behind ``mark`` completed (False when unsure). Non-blocking."""

@@ -27,10 +27,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import wire
+from . import doorbell, wire
 from .backend import InboundLink, OutboundLink, PeerInfo, Transport
 from .coalesce import BlockRun, coalesce, single_runs
 from .config import Settings
+from .doorbell import BellReader, BellWriter
 from .errors import (
     CommClosed,
     ConfigurationError,
@@ -89,6 +90,8 @@ class Stats:
     puts_received: int = 0
     bytes_received: int = 0
     sequences_completed: int = 0
+    doorbell_signals: int = 0
+    """Signals the receiver applied from a device-written doorbell before their SIGNAL frame came."""
     failures: int = 0
     refused_peers: int = 0
     aborted: int = 0
@@ -128,6 +131,7 @@ class CommManager:
         self._lock = threading.Lock()
         self._outbound: list[_Outbound] = []
         self._inbound: dict[int, _Inbound] = {}
+        self._bells: list[_Inbound] = []  # inbound links with a mapped doorbell (copy-on-write list)
         self._threads: list[threading.Thread] = []
         self._abort_token = 0
         self._departed: OrderedDict[str, None] = OrderedDict()
@@ -215,6 +219,7 @@ class CommManager:
             # a backend that leaked its library's error (bad peer address, refused rendezvous): still typed
             raise PeerDisconnected(f"{self.backend} could not link to {label}: {type(exc).__name__}: {exc}") from exc
         state = _Outbound(self, conn, link, info)
+        state.open_doorbell()
         peer = Peer(meta["instance"], meta["host"], meta["port"], self.backend, link.describe(), peer_layout, state)
         with self._lock:
             if self._closed:
@@ -244,17 +249,50 @@ class CommManager:
         runs = self._runs(src_block_ids, dst_block_ids, peer.layout.num_blocks)
         if not runs:
             return
-        st.put(seq_id, layer, runs)
+        st.put(seq_id, (layer,), runs)
+        self._after_put(st, seq_id, (layer,), runs, len(src_block_ids))
+
+    def put_layers(
+        self,
+        peer: Peer,
+        seq_id: SeqId,
+        layers: Sequence[int] | None,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+    ) -> None:
+        """:meth:`put_layer` for each of ``layers`` (every layer when None) with the same block ids, in one
+        call: for sending a whole request at once. Backends that can move many layers in one operation
+        (one device kernel for CUDA IPC) do so; the others issue layer by layer. Asynchronous; same errors
+        as :meth:`put_layer` (validation first, nothing moved on InvalidBlockIds)."""
+        st = self._outbound_state(peer)
+        n = self.layout.num_layers
+        chosen = tuple(range(n)) if layers is None else tuple(layers)
+        for layer in chosen:
+            if not (isinstance(layer, int) and 0 <= layer < n):
+                raise InvalidBlockIds(f"layer {layer!r} out of range [0, {n})")
+        if len(set(chosen)) != len(chosen):
+            raise InvalidBlockIds(f"layers repeat: {list(chosen)}")
+        wire.check_seq_id(seq_id)
+        runs = self._runs(src_block_ids, dst_block_ids, peer.layout.num_blocks)
+        if not runs or not chosen:
+            return
+        st.put(seq_id, chosen, runs)
+        self._after_put(st, seq_id, chosen, runs, len(src_block_ids))
+
+    def _after_put(self, st: _Outbound, seq_id: SeqId, layers: tuple[int, ...], runs: tuple[BlockRun, ...],
+                   nblocks: int) -> None:
+        """Checksums (debug) and counters of an issued put of ``layers``."""
         if self.settings.checksum:  # debug: the receiver recomputes it when the layer's signal arrives
-            crc = pieces_crc32(self.layout.layers[layer], runs, source=True)
-            st.control(FrameType.CHECKSUM, wire.encode_checksum(seq_id, layer, crc, runs))
-        nblocks = len(src_block_ids)
+            for layer in layers:
+                crc = pieces_crc32(self.layout.layers[layer], runs, source=True)
+                st.control(FrameType.CHECKSUM, wire.encode_checksum(seq_id, layer, crc, runs))
         stats = self._stats
         with self._stats_lock:
-            stats.puts += 1
-            stats.runs += len(runs)
-            stats.pieces += nblocks * self._layer_planes[layer]
-            stats.bytes_sent += nblocks * self._layer_block_bytes[layer]
+            stats.puts += len(layers)
+            stats.runs += len(runs) * len(layers)
+            for layer in layers:
+                stats.pieces += nblocks * self._layer_planes[layer]
+                stats.bytes_sent += nblocks * self._layer_block_bytes[layer]
 
     def _runs(self, src_block_ids: Sequence[int], dst_block_ids: Sequence[int], dst_blocks: int) -> tuple[BlockRun, ...]:
         """Validated, coalesced runs; the same ids (every layer of a request) give the same tuple object,
@@ -343,6 +381,8 @@ class CommManager:
     def poll(self) -> list[SeqId]:
         """Sequences that finished (landed or failed) since the last poll; ``wait(s, timeout=0)`` tells which."""
         self._check_open()
+        if self._bells:
+            self._poll_bells()
         return self._table.poll()
 
     def release(self, seq_id: SeqId) -> None:
@@ -499,6 +539,25 @@ class CommManager:
                 self._inbound[id(inbound)] = inbound
             self._spawn(inbound.serve, f"kvt-in-{addr[1]}")
 
+    def _add_bell(self, inbound: _Inbound) -> None:
+        with self._lock:
+            self._bells = [*self._bells, inbound]
+        self._table.poller = self._poll_bells
+
+    def _drop_bell(self, inbound: _Inbound) -> None:
+        with self._lock:
+            self._bells = [ib for ib in self._bells if ib is not inbound]
+            if not self._bells:
+                self._table.poller = None
+
+    def _poll_bells(self) -> int:
+        """Apply what the doorbells of every inbound link show landed: 2 if anything was, 1 if a signal's
+        copies are still running, else 0. Any thread."""
+        state = 0
+        for inbound in self._bells:
+            state = max(state, inbound.poll_bell())
+        return state
+
     def _drop_inbound(self, inbound: _Inbound) -> None:
         with self._lock:
             self._inbound.pop(id(inbound), None)
@@ -522,6 +581,8 @@ class _Inbound:
         self._checksums: dict[SeqId, list[tuple[int, int, list[BlockRun]]]] = {}
         self._acks: dict[tuple[SeqId, int], threading.Event] = {}
         self._acks_lock = threading.Lock()
+        self.bell: BellReader | None = None  # the sender's doorbell, when it offered one we could map
+        self.bell_lock = threading.Lock()
 
     def expect_ack(self, seq: SeqId, token: int) -> threading.Event:
         ev = threading.Event()
@@ -548,9 +609,13 @@ class _Inbound:
                 try:
                     for kind, payload in self.conn.recv_many():
                         if kind == FrameType.SIGNAL:
-                            seq, layer = wire.decode_signal(payload)
+                            seq, layer, ticket = wire.decode_signal_ticket(payload)
                             if layer is not None and layer >= cm.layout.num_layers:
                                 raise ProtocolError(f"SIGNAL for layer {layer} beyond our {cm.layout.num_layers} layers")
+                            if ticket and self.bell is not None:
+                                with self.bell_lock:
+                                    if not self.bell.frame_applies(ticket):
+                                        continue  # the doorbell applied it already
                             if self._checksums:
                                 self._apply(marks)
                                 if not self._verify(seq, layer):
@@ -616,8 +681,45 @@ class _Inbound:
             cm._table.fail(seq, SequenceAborted(f"sequence {seq!r} was cancelled by the sender"))
         elif kind == FrameType.PING:
             self.conn.send(FrameType.PONG)
+        elif kind == FrameType.DOORBELL:
+            self._open_bell(wire.parse_json_payload(payload, "DOORBELL"))
         else:
             raise ProtocolError(f"unexpected {kind.name} frame from a connected peer")
+
+    def _open_bell(self, offer: dict[str, Any]) -> None:
+        """The sender offers a doorbell (kvtransport.doorbell); map it if we can, else signals come by frame."""
+        path = offer.get("path")
+        settings = self.cm.settings
+        if settings.checksum or not settings.doorbell or self.bell is not None or not isinstance(path, str):
+            return  # checksums are verified when the SIGNAL frame arrives: keep that path only
+        try:
+            bell = BellReader(path)
+        except (OSError, ProtocolError) as exc:  # another host, or no /dev/shm: the frames carry every signal
+            log.info("doorbell of %s not mapped (%s); completions come by the side channel", self.peer, exc)
+            return
+        with self.bell_lock:
+            self.bell = bell
+        self.cm._add_bell(self)
+
+    def poll_bell(self) -> int:
+        """Apply the signals the doorbell shows landed: 2 if it applied any, 1 if a signal is announced
+        and its copies still run, else 0 (see SequenceTable.poller). Non-blocking; any thread."""
+        bell = self.bell
+        if bell is None:
+            return 0
+        with self.bell_lock:
+            if self.bell is None:
+                return 0
+            events = bell.landed()
+            running = not events and bell.in_flight()
+        n = self.cm.layout.num_layers
+        events = [(seq, layer) for seq, layer in events if layer is None or 0 <= layer < n]
+        if not events:
+            return 1 if running else 0
+        with self.cm._stats_lock:
+            self.cm._stats.doorbell_signals += len(events)
+        self._apply(events)
+        return 2
 
     def _handshake(self) -> None:
         cm = self.cm
@@ -714,6 +816,12 @@ class _Inbound:
             acks, self._acks = list(self._acks.values()), {}
         for ev in acks:
             ev.set()
+        if self.bell is not None:
+            self.cm._drop_bell(self)
+            with self.bell_lock:
+                bell, self.bell = self.bell, None
+            if bell is not None:
+                bell.close()
         self.conn.close()
         link, self.link = self.link, None
         if link is not None:
@@ -832,9 +940,53 @@ class _Outbound:
         self._signaller_idle = False
         self._inflight: tuple[Any, Any] | None = None  # (mailbox, mark) of the batch the backend is flushing
         self._inflight_extra: list[tuple[FrameType, bytes, Any]] = []  # frames added to that mailbox
+        self._bell: BellWriter | None = None  # this link's doorbell (see open_doorbell)
+        self._bell_word = 0  # device address of its completion word
+        self._bell_host = 0  # host address of its mapping
         self._reader = cm._spawn(self._read_loop, f"kvt-out-{info.instance[:6]}")
         if self.one_sided:
             self._signaller = cm._spawn(self._signal_loop, f"kvt-sig-{info.instance[:6]}")
+
+    def open_doorbell(self) -> None:
+        """Right after connect, before any signal: offer the receiver a doorbell if the link can write one
+        (``link.doorbell``; kvtransport.doorbell). Without one, or if anything fails, signals go by frame."""
+        door = getattr(self.link, "doorbell", None)
+        if door is None or not self.one_sided or self.cm.settings.checksum or not self.cm.settings.doorbell:
+            return
+        try:
+            bell = BellWriter()
+        except OSError as exc:
+            log.info("no doorbell towards %s (%s): completions go by the side channel", self.conn.peer_label, exc)
+            return
+        try:
+            dev = door.doorbell_map(bell.address, doorbell.SIZE)
+        except Exception as exc:  # a backend's unexpected failure costs the doorbell, not the link
+            log.info("no doorbell towards %s (%s)", self.conn.peer_label, exc)
+            dev = None
+        if dev is None:
+            bell.close()
+            return
+        self._bell, self._bell_host, self._bell_word = bell, bell.address, dev + bell.word_offset
+        try:
+            self.conn.send(FrameType.DOORBELL, wire.json_payload({"path": bell.path}))
+        except KVTransportError:
+            pass  # the link is gone: the next call on it says so
+
+    def _ring(self, seq: SeqId, layer: int | None) -> int:
+        """Announce a signal on the doorbell and enqueue the device's store of its ticket (after the puts);
+        returns the ticket, 0 if it goes by frame only. Caller holds ``_put_lock``."""
+        bell = self._bell
+        if bell is None:
+            return 0
+        ticket = bell.announce(seq, layer)
+        if ticket:
+            try:
+                self.link.doorbell.doorbell_write(self._bell_word, ticket)
+            except Exception as exc:  # the frame still carries this signal; later ones go by frame only
+                log.warning("doorbell store failed (%s); completions go by the side channel from now on", exc)
+                self._bell = None
+                return 0
+        return ticket
 
     def _check(self, seq: SeqId | None) -> None:
         with self._lock:
@@ -845,13 +997,21 @@ class _Outbound:
             if seq is not None and seq in self._failed:
                 raise self._failed[seq]
 
-    def put(self, seq: SeqId, layer: int, runs: Sequence[BlockRun]) -> None:
+    def put(self, seq: SeqId, layers: Sequence[int], runs: Sequence[BlockRun]) -> None:
+        """Issue ``runs`` of each of ``layers`` (one link call for many layers when one-sided)."""
         with self._put_lock:  # an abort fence cannot slip between the check and the issue
             self._check(seq)
-            if not self.one_sided:
-                self.conn.send(FrameType.PUT, wire.encode_put(seq, layer, runs))
             try:
-                self.link.put(layer, runs)
+                if len(layers) == 1:
+                    if not self.one_sided:
+                        self.conn.send(FrameType.PUT, wire.encode_put(seq, layers[0], runs))
+                    self.link.put(layers[0], runs)
+                elif self.one_sided:
+                    self.link.put_layers(layers, runs)
+                else:  # the receiver takes one PUT frame, then the data, per layer
+                    for layer in layers:
+                        self.conn.send(FrameType.PUT, wire.encode_put(seq, layer, runs))
+                        self.link.put(layer, runs)
             except KVTransportError as exc:
                 self._fail_link(exc)
                 raise
@@ -877,7 +1037,11 @@ class _Outbound:
 
     def signal(self, seq: SeqId, layer: int | None) -> None:
         self._check(seq)
-        self._control(FrameType.SIGNAL, wire.encode_signal(seq, layer))
+        ticket = 0
+        if self._bell is not None:
+            with self._put_lock:  # after the puts it follows, like them
+                ticket = self._ring(seq, layer)
+        self._control(FrameType.SIGNAL, wire.encode_signal(seq, layer, ticket))
         if self.one_sided:
             self._parking.after_call(end_of_burst=layer is None)
 
@@ -1128,6 +1292,13 @@ class _Outbound:
             self._idle.notify_all()
             self._wake.notify_all()
         self.conn.close()
+        bell, self._bell = self._bell, None
+        if bell is not None:
+            bell.close()
+            try:
+                self.link.doorbell.doorbell_unmap(self._bell_host)
+            except Exception as exc:
+                log.warning("doorbell unmap failed: %s", exc)
         try:
             self.link.close()
         except Exception as exc:

@@ -10,9 +10,11 @@ Thread-safe. Every wait takes a timeout. A full table raises :class:`SlotsExhaus
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .errors import (
@@ -29,6 +31,10 @@ SeqId = str | int
 """A sequence (request) id: a string (vLLM request ids) or an integer."""
 
 TOMBSTONES = 4096
+BELL_SPIN_S = 0.002
+"""A waiter on doorbell completions looks again without sleeping this long from the start of its wait..."""
+BELL_POLL_S = 50e-6
+"""... then sleeps this long between looks (or less, when a side-channel signal wakes it)."""
 """How many released sequence ids are remembered so late remote events for them are dropped."""
 
 
@@ -64,6 +70,11 @@ class SequenceTable:
         self._generations = [0] * capacity
         self._tombstones: OrderedDict[SeqId, None] = OrderedDict()
         self._closed: KVTransportError | None = None
+        self.poller: Callable[[], int] | None = None
+        """Set while some completions arrive by doorbell (kvtransport.doorbell): waiters call it between
+        checks, without the table's lock. It returns 2 when it applied something, 1 while an announced
+        signal's copies still run (the waiter looks again at once, yielding the GIL), else 0 (the waiter
+        sleeps BELL_POLL_S; it also looks again at once during the first BELL_SPIN_S of a wait)."""
 
     # ---------------------------------------------------------------- slot lifecycle
     def acquire(self, seq_id: SeqId, *, peer: str | None = None, remote: bool = False) -> SequenceSlot | None:
@@ -197,6 +208,7 @@ class SequenceTable:
 
     def _wait(self, seq_id: SeqId, layer: int | None, timeout: float) -> None:
         deadline = time.monotonic() + timeout
+        spin_until = time.monotonic() + BELL_SPIN_S
         with self._cond:
             st = self.acquire(seq_id)
             assert st is not None
@@ -214,7 +226,20 @@ class SequenceTable:
                         f"{what} {seq_id!r} did not land within {timeout:.3g}s "
                         f"(layers landed: {len(st.layers)}/{self.num_layers})"
                     )
-                self._cond.wait(left)
+                poller = self.poller
+                if poller is None:
+                    self._cond.wait(left)
+                    continue
+                self._cond.release()  # held once (``with``): the poller takes the table's lock to apply
+                try:
+                    state = poller()
+                    spin = state == 1 or (state == 0 and time.monotonic() < spin_until)
+                    if spin:
+                        os.sched_yield()  # lets other threads run (time.sleep(0) would sleep ~55 µs of timer slack)
+                finally:
+                    self._cond.acquire()
+                if state == 0 and not spin:
+                    self._cond.wait(min(left, BELL_POLL_S))
 
     def poll(self) -> list[SeqId]:
         """Ids that reached a final state (complete or failed) since the last poll. Non-blocking."""

@@ -67,6 +67,7 @@ class FrameType(enum.IntEnum):
     ABORT_ACK = 11
     CANCEL = 12
     CHECKSUM = 13
+    DOORBELL = 14
 
 
 # ---------------------------------------------------------------------- metadata
@@ -236,18 +237,27 @@ def decode_checksum(payload: bytes) -> tuple[SeqId, int, int, list[BlockRun]]:
     return seq, layer, crc, runs
 
 
-def encode_signal(seq: SeqId, layer: int | None) -> bytes:
-    return _encode_seq(seq) + struct.pack("!i", -1 if layer is None else layer)
+def encode_signal(seq: SeqId, layer: int | None, ticket: int = 0) -> bytes:
+    """SIGNAL payload; ``ticket`` (> 0) when the signal was also announced on the link's doorbell."""
+    body = _encode_seq(seq) + struct.pack("!i", -1 if layer is None else layer)
+    return body + struct.pack("!Q", ticket) if ticket else body
 
 
 def decode_signal(payload: bytes) -> tuple[SeqId, int | None]:
+    seq, layer, _ = decode_signal_ticket(payload)
+    return seq, layer
+
+
+def decode_signal_ticket(payload: bytes) -> tuple[SeqId, int | None, int]:
+    """(sequence, layer or None, doorbell ticket or 0)."""
     seq, off = _decode_seq(payload, 0)
-    if len(payload) != off + 4:
+    if len(payload) not in (off + 4, off + 12):
         raise ProtocolError("SIGNAL frame has the wrong length")
     (layer,) = struct.unpack_from("!i", payload, off)
     if layer < -1:
         raise ProtocolError(f"SIGNAL frame has invalid layer {layer}")
-    return seq, (None if layer == -1 else layer)
+    ticket = struct.unpack_from("!Q", payload, off + 4)[0] if len(payload) == off + 12 else 0
+    return seq, (None if layer == -1 else layer), ticket
 
 
 def encode_abort(seq: SeqId, token: int) -> bytes:

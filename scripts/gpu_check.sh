@@ -30,10 +30,20 @@ if [ -n "${GATE:-}" ]; then  # fail fast (device time is scarce): one demo of ba
   grep -E "^transfer|^baseline|^verified" "$OUT/gate.txt"
 fi
 if [ "${PYTEST_K:-}" != "skip" ]; then
-  timeout ${PYTEST_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider -m "gpu or gpu2" tests/backends ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
+  timeout ${PYTEST_TIMEOUT:-330} python3 -m pytest -v -p no:cacheprovider -m "gpu or gpu2" --durations=10 tests/backends ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
     | tee "$OUT/pytest-gpu.txt" | grep -E "passed|failed|FAILED|Error" | tail -15
 fi
+# PROBE="mscclpp ucx": benchmarks/gpu_put_path.py per backend; PROBE_RUNS: api:doorbell pairs
+for b in ${PROBE:-}; do
+  for run in ${PROBE_RUNS:-layers:1 layers:0}; do
+    api=${run%%:*} bell=${run##*:}
+    timeout 120 python3 benchmarks/gpu_put_path.py --backend "$b" --api "$api" --doorbell "$bell" ${PROBE_ARGS:-} \
+      --out "$OUT/probe-$b-$api-$bell.json" 2>&1 | tee -a "$OUT/probe.txt" | grep -v "^    \|^INFO"
+  done
+done
+[ -n "${PROBE:-}" ] && (cd "$OUT" && tar czf probe.tgz probe-*.json probe.txt && rm -f probe-*.json)
 for b in ${BACKENDS:-mscclpp ucx nccl}; do
+  [ "$b" = none ] && continue
   demo() { timeout 150 python3 -m kvtransport.cli demo --device cuda --backend "$b" "$@" 2>&1; }
   { demo --pattern random; demo --pattern contiguous; demo --model one-layer --tokens 65536 --pattern contiguous; } \
     > "$OUT/demo-$b.txt"
@@ -51,7 +61,7 @@ if [ -n "${BENCH:-}" ]; then
   }
   for p in ${BENCH_PARTS:-kv overlap sweep presets}; do
     case $p in
-      kv) part kv 170 --workloads kv,latency --presets llama-3.1-8b --tokens 2048 --patterns contiguous,random ;;
+      kv) part kv 200 --workloads kv,latency --presets llama-3.1-8b --tokens 2048 --patterns contiguous,random ;;
       overlap) part overlap 110 --workloads overlap --presets llama-3.1-8b --tokens 2048,32768 ;;
       sweep) part sweep 90 --workloads sweep ;;
       presets) part presets 80 --workloads kv --presets llama-3.1-70b-tp8,qwen3-8b,deepseek-v3-mla --tokens 128,2048 --patterns random --reps-scale 0.5 ;;

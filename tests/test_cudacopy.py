@@ -30,9 +30,50 @@ class FakeDriver:
         self.recorded: list[int] = []  # event ptrs in stream order (re-records append again)
         self.completed = 0  # how many entries of ``recorded`` are done
         self.launches = 0
+        self.grids: list[tuple[int, int]] = []
+        self.bells: list[tuple[int, int]] = []
+        self.stream_waits: list[tuple[int, int]] = []
+        self.registered: dict[int, int] = {}
 
-    def launch(self, *args):
+    def host_register(self, address, size, flags):
+        self.registered[address] = size
+        return 0
+
+    def host_device_pointer(self, out, address, flags):
+        out._obj.value = address
+        return 0
+
+    def host_unregister(self, address):
+        self.registered.pop(address)
+        return 0
+
+    def stream_wait_event(self, stream, event, flags):
+        self.stream_waits.append((stream.value, event))
+        return 0
+
+    def launch(self, func, gx, gy, gz, bx, by, bz, shmem, stream, params, extra):
+        """Runs the kernel on host memory (the tests' "device" pointers are host addresses)."""
         self.launches += 1
+        self.grids.append((gx, gy))
+        if func.value == 3:  # the doorbell: store a word
+            word, value = (ctypes.c_uint64.from_address(params[i]).value for i in range(2))
+            ctypes.c_uint64.from_address(word).value = value
+            self.bells.append((stream.value, value))
+            return 0
+        arg = [params[i] for i in range(4 if func.value == 1 else 3)]
+        table = ctypes.c_uint64.from_address(arg[0]).value
+        n = ctypes.c_int32.from_address(arg[1]).value
+        if table < 1 << 16:  # the event-ring tests launch with a dummy table
+            return 0
+        segs = (ctypes.c_uint64 * (3 * n)).from_address(table)
+        if func.value == 1:
+            bases = [(ctypes.c_uint64.from_address(arg[2]).value, ctypes.c_uint64.from_address(arg[3]).value)]
+        else:
+            flat = (ctypes.c_uint64 * (2 * gy)).from_address(ctypes.c_uint64.from_address(arg[2]).value)
+            bases = [(flat[2 * y], flat[2 * y + 1]) for y in range(gy)]
+        for src_base, dst_base in bases:
+            for i in range(n):
+                ctypes.memmove((dst_base + segs[3 * i + 1]) % (1 << 64), (src_base + segs[3 * i]) % (1 << 64), segs[3 * i + 2])
         return 0
 
     def record(self, ptr, stream):
@@ -78,12 +119,28 @@ def copier(monkeypatch):
 
     class RawKernel:
         def __init__(self, code, name):
-            self.kernel = types.SimpleNamespace(ptr=1)
+            self.kernel = types.SimpleNamespace(ptr={"kvt_segment_copy": 1, "kvt_segment_copy_layers": 2}.get(name, 3))
 
         def compile(self):
             pass
 
-    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event, Device=Device), RawKernel=RawKernel)
+    class HostArray:  # cupy.asarray's stand-in: "device" memory is host memory here
+        def __init__(self, values):
+            self.values = np.ascontiguousarray(values)
+            self.data = types.SimpleNamespace(ptr=self.values.ctypes.data)
+
+    class Stream:
+        def __init__(self, ptr):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event, Device=Device, ExternalStream=Stream),
+                                      RawKernel=RawKernel, asarray=HostArray)
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
     monkeypatch.setattr(cudacopy, "_Driver", FakeDriver)
     monkeypatch.setattr(cudacopy.SegmentCopier, "EVENTS", 4)
@@ -130,12 +187,60 @@ def test_wait_is_bounded_and_returns_when_done(copier):
 
 
 def test_tables_stay_alive_until_their_kernels_completed(copier):
-    for _ in range(3):
+    k = copier.TRACK_CHECK
+    for _ in range(k):
         _launch(copier)
-    assert len(copier.inflight) == 3
-    copier.fake.complete()
+    assert len(copier.inflight) == k
+    copier.fake.complete(k - 1)
     _launch(copier)
-    assert len(copier.inflight) == 1  # the completed ones were let go at the next launch
+    assert len(copier.inflight) == 2  # the completed ones were let go at the next launch, the pending one kept
+
+
+def _putter(copier, cut_window_at=None):
+    """A MappedPutter between two host caches, the peer "mapped" at its own addresses (optionally in two
+    windows cut at ``cut_window_at`` bytes into the peer's backing)."""
+    from kvtransport.coalesce import coalesce
+    from kvtransport.testing.cache import CacheSpec, HostCache
+
+    spec = CacheSpec(num_layers=4, num_blocks=40, heads=2, block_size=4, head_dim=16, order="NHD")
+    src, dst = HostCache(spec, fill_seed=3), HostCache(spec)
+    start, size = dst.backing.ctypes.data, dst.backing.nbytes
+    rows = [(start, size, start)] if cut_window_at is None else [
+        (start, cut_window_at, start), (start + cut_window_at, size - cut_window_at, start + cut_window_at)]
+    putter = cudacopy.MappedPutter(src.layout, dst.layout, cudacopy.PeerWindows(rows), copier)
+    rng = np.random.default_rng(0)
+    s_ids, d_ids = rng.permutation(40)[:17].tolist(), rng.permutation(40)[:17].tolist()
+    runs = tuple(coalesce(s_ids, d_ids, src_num_blocks=40, dst_num_blocks=40))
+    return src, dst, putter, runs, s_ids, d_ids
+
+
+def _expected(src, dst_blank, layers, s_ids, d_ids):
+    want = {name: v.copy() for name, v in dst_blank.views.items()}
+    for layer in layers:
+        name = f"layers.{layer}"
+        for s, d in zip(s_ids, d_ids, strict=True):
+            want[name][d] = src.views[name][s]
+    return want
+
+
+def test_put_layers_moves_every_layer_in_one_launch(copier):
+    src, dst, putter, runs, s_ids, d_ids = _putter(copier)
+    want = _expected(src, dst, [3, 1, 2], s_ids, d_ids)
+    putter.put_layers([3, 1, 2], runs)
+    assert copier.fake.launches == 1 and copier.fake.grids[-1][1] == 3  # one kernel, a grid row per layer
+    for name, view in dst.views.items():
+        assert np.array_equal(view, want[name]), name
+    putter.put_layers([3, 1, 2], runs)  # the second request with these layers reuses the uploaded bases
+    assert copier.fake.launches == 2 and len(putter._layer_bases) == 1
+
+
+def test_put_layers_falls_back_per_layer_when_a_layer_spans_two_peer_allocations(copier):
+    src, dst, putter, runs, s_ids, d_ids = _putter(copier, cut_window_at=int(1.5 * (40 * 2 * 4 * 2 * 16 * 2)))
+    want = _expected(src, dst, range(4), s_ids, d_ids)
+    putter.put_layers(range(4), runs)
+    assert copier.fake.launches == 4  # one launch per layer; layer 1 translated segment by segment
+    for name, view in dst.views.items():
+        assert np.array_equal(view, want[name]), name
 
 
 def test_split_covers_every_byte_in_chunks():
@@ -165,3 +270,26 @@ def test_ctypes_function_address_is_the_symbol():
     libc = ctypes.CDLL(None)
     fn = libc.strlen
     assert ctypes.cast(fn, ctypes.c_void_p).value == ctypes.c_void_p.from_buffer(fn).value
+
+
+def test_doorbell_store_follows_the_copies_of_every_stream(copier):
+    from kvtransport import doorbell
+
+    _, _, putter, runs, _, _ = _putter(copier)
+    bell = doorbell.BellWriter()
+    try:
+        dev = putter.doorbell_map(bell.address, doorbell.SIZE)
+        assert dev == bell.address and copier.fake.registered == {bell.address: doorbell.SIZE}
+        putter.put(0, runs)  # on stream 7
+        copier._stream_ptr = lambda: 8
+        putter.put(1, runs)  # on stream 8
+        putter.doorbell_write(dev + doorbell.WORD_OFFSET, 5)
+        assert copier.fake.bells == [(8, 5)] and bell.completed() == 5
+        assert [w[0] for w in copier.fake.stream_waits] == [8]  # stream 8 waits for stream 7's last copy
+        putter.doorbell_write(dev + doorbell.WORD_OFFSET, 6)
+        assert len(copier.fake.stream_waits) == 1  # nothing new on stream 7 since
+        copier.fake.complete()
+        putter.doorbell_unmap(bell.address)
+        assert copier.fake.registered == {}
+    finally:
+        bell.close()

@@ -42,6 +42,26 @@ def test_layerwise_push_and_verify(pair):
     assert r.stats()["slots_in_use"] == 0
 
 
+def test_put_layers_sends_a_whole_request_in_one_call(pair):
+    s, r, src, dst = pair
+    peer = s.connect(r.metadata())
+    pairs = [(3, 0), (4, 1), (9, 7)]
+    for bad in ([0, 3], [1, 1], [-1], ["0"]):
+        with pytest.raises(kt.InvalidBlockIds):
+            s.put_layers(peer, "r1", bad, [a for a, _ in pairs], [b for _, b in pairs])
+    with pytest.raises(kt.InvalidSequenceId):
+        s.put_layers(peer, None, None, [1], [1])
+    assert not dst.backing.any()  # validation moved nothing
+    s.put_layers(peer, "r1", [2, 0], [a for a, _ in pairs], [b for _, b in pairs])
+    s.put_layers(peer, "r1", None, [5], [15])
+    s.signal(peer, "r1")
+    r.wait("r1", timeout=5)
+    want = {layer: ([(5, 15)] if layer == 1 else [*pairs, (5, 15)]) for layer in range(SPEC.num_layers)}
+    assert verify_transfer(dst, src, want) == []
+    stats = s.stats()
+    assert stats["puts"] == 2 + 3 and stats["bytes_sent"] == (2 * 3 + 3 * 1) * src.layout.layers[0].block_bytes
+
+
 def test_invalid_block_ids_move_nothing(pair):
     s, r, _, dst = pair
     peer = s.connect(r.metadata())

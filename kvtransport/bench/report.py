@@ -211,8 +211,11 @@ def kv_table(result: dict[str, Any]) -> Table | None:
         out.append(line)
     headers = ["preset", "tokens", "ids", "bytes", "runs/layer", "ceiling GB/s"]
     headers += [f"{s} {'on' if c else 'off'}" if c is not None else s for s, c in cols]
+    apis = sorted({r["case"].get("api", "put_layer") for r in rows if r["system"].startswith("kvtransport/")})
+    how = {"put_layers": "one put_layers call per request", "put_layer": "one put_layer call per layer"}
     return Table("2. KV requests: GB/s (% of ceiling); kvtransport with coalescing on / off", headers, out,
                  "runs/layer: contiguous runs per layer after coalescing (blocks per layer when off). "
+                 f"kvtransport issues {' / '.join(how.get(a, a) for a in apis) or '-'} (--kv-api), then signals once. "
                  "Raw send/recv moves the same byte count as one buffer (no gather/scatter).")
 
 

@@ -176,7 +176,8 @@ def kv_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
                     d = _durations(t0s[m], t1s[m], 1)
                     st = summarize(d)
                     row = {"workload": "kv", "case": {"preset": shape["preset"], "tokens": shape["tokens"],
-                                                      "ids": case["pattern"], "coalesce": m == "on"},
+                                                      "ids": case["pattern"], "coalesce": m == "on",
+                                                      "api": cfg.get("kv_api", "put_layers")},
                            "bytes": nbytes, "runs_per_layer": case["runs"][m], "samples_s": d, **st,
                            "gbps": gbps(nbytes, st["median_s"]), **busy(), "verified": ok[m]}
                     rows.append(row)
@@ -193,6 +194,7 @@ def kv_sender(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
 
     holder = _CacheHolder(cfg["send_device"], FILL)
     path = ""
+    whole = cfg.get("kv_api", "put_layers") == "put_layers"  # one call per request (else one per layer)
     for g in cfg["groups"]:
         shape = g["shape"]
         cache = holder.get(shape)
@@ -213,8 +215,11 @@ def kv_sender(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
                         seq = f"kv{case['index'][m]}-{r}"
                         link.barrier(seq)
                         t0s[m].append(now())
-                        for layer in range(shape["num_layers"]):
-                            cm.put_layer(peer, seq, layer, src, dst)
+                        if whole:
+                            cm.put_layers(peer, seq, None, src, dst)
+                        else:
+                            for layer in range(shape["num_layers"]):
+                                cm.put_layer(peer, seq, layer, src, dst)
                         cm.signal(peer, seq)
                         cm.flush(peer)
                 link.send_value(t0s)

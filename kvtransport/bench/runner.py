@@ -67,6 +67,9 @@ def parse_args(argv: list[str] | None) -> Options:
     ap.add_argument("--quiet-wait-s", type=float, default=None,
                     help="before each pair of processes, wait up to this long for the CPUs to be >= 70%% idle "
                          "(default 120 on CPU, 0 with --smoke or on CUDA); waits are recorded in the JSON")
+    ap.add_argument("--kv-api", choices=["put_layers", "put_layer"], default="put_layers",
+                    help="kv requests: one put_layers call per request (default; one device launch where the "
+                         "backend can) or one put_layer call per layer (the layer-wise path is the overlap workload's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-nixl", dest="nixl", action="store_false", help="skip the NIXL baseline even when installed")
     ap.add_argument("--from-json", default=None, help="re-render table and plots from an earlier results.json; measure nothing")
@@ -88,6 +91,7 @@ def parse_args(argv: list[str] | None) -> Options:
         mem_fraction=a.mem_fraction, timeout=a.timeout, seed=a.seed, nixl=a.nixl,
     )
     opts.extra["from_json"] = a.from_json
+    opts.extra["kv_api"] = a.kv_api
     opts.extra["quiet_wait_s"] = (a.quiet_wait_s if a.quiet_wait_s is not None
                                   else 0.0 if (a.smoke or device == "cuda") else 120.0)
     for w in opts.workloads:
@@ -416,7 +420,7 @@ class Bench:
                     est += 2 * (reps + 1) * (shape.request_bytes / 3e8 + 0.05)
                     k += 2
                 groups.append({"index": gi, "shape": shape.to_dict(), "coalesce": [True, False], "cases": cs})
-            cfg = self._cfg(b, k, backend=b, groups=groups)
+            cfg = self._cfg(b, k, backend=b, groups=groups, kv_api=o.extra.get("kv_api", "put_layers"))
             res = self.pair("roles", "kv", cfg, est, system, "kv")
             if res:
                 self.add_rows(res[0]["rows"], system, backend=b)

@@ -114,11 +114,17 @@ def fragmented_sender(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
     plans = plan_transfers(cfg["seed"], spec, receiver_spec, cfg["n_seqs"])
     with _open(cfg, cache.layout) as cm:
         peer = cm.connect(link.peer_metadata())
-        for layer in range(spec.num_layers):  # layer-wise push, sequences interleaved
-            for seq, plan in plans.items():
-                src, dst = zip(*plan[layer], strict=True)
-                cm.put_layer(peer, seq, layer, list(src), list(dst))
-                cm.signal_layer(peer, seq, layer)
+        if cfg.get("api") == "put_layers":  # whole requests: one call each, every layer (some in reverse order)
+            for i, (seq, plan) in enumerate(plans.items()):
+                src, dst = zip(*plan[0], strict=True)
+                layers = None if i % 2 == 0 else list(reversed(range(spec.num_layers)))
+                cm.put_layers(peer, seq, layers, list(src), list(dst))
+        else:
+            for layer in range(spec.num_layers):  # layer-wise push, sequences interleaved
+                for seq, plan in plans.items():
+                    src, dst = zip(*plan[layer], strict=True)
+                    cm.put_layer(peer, seq, layer, list(src), list(dst))
+                    cm.signal_layer(peer, seq, layer)
         for seq in plans:
             cm.signal(peer, seq)
         cm.flush(peer, timeout=WAIT)
@@ -369,6 +375,18 @@ class ConformanceSuite:
         assert r["missing"] == []
         assert r["slots_in_use"] == 0
         assert r["bytes_received"] in (0, s["bytes_sent"])  # one-sided backends do not count on the receiver
+
+    @pytest.mark.parametrize("seed", [4, 5])
+    def test_whole_requests_in_one_call(self, seed: int) -> None:
+        """``put_layers``: every layer of a request in one call (one launch on device paths)."""
+        rng = random.Random(seed)
+        spec = CacheSpec(**{**random_spec(rng).to_dict(), "num_layers": rng.randint(2, 5)})
+        receiver = CacheSpec(**{**spec.to_dict(), "num_blocks": rng.randint(24, 96)})
+        r, s = self.pair("fragmented", self.cfg(seed=seed, sender_spec=spec.to_dict(), receiver_spec=receiver.to_dict(),
+                                                n_seqs=rng.randint(2, 4), api="put_layers"))
+        assert r["problems"] == [], r["problems"]
+        assert r["missing"] == [] and r["slots_in_use"] == 0
+        assert r["bytes_received"] in (0, s["bytes_sent"])
 
     def test_many_concurrent_sequences(self) -> None:
         spec = CacheSpec(num_layers=2, num_blocks=256, heads=1, block_size=4, head_dim=16, itemsize=1, order="HND")

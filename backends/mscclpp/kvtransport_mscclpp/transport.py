@@ -294,12 +294,21 @@ class _IpcOutLink(OutboundLink):
 
     def __init__(self, putter: Any, choice: routing.Choice, keep: list[Any]) -> None:
         self.putter = putter
+        self.doorbell = putter  # device-written completion words (kvtransport.doorbell)
         self.choice = choice
         self._keep = keep
 
     def put(self, layer: int, runs: Sequence[BlockRun]) -> None:
         try:
             self.putter.put(layer, runs)
+        except KVTransportError:
+            raise
+        except Exception as exc:
+            raise native.translate(exc, "CudaIpc put") from None
+
+    def put_layers(self, layers: Sequence[int], runs: Sequence[BlockRun]) -> None:
+        try:
+            self.putter.put_layers(layers, runs)  # one kernel for every layer
         except KVTransportError:
             raise
         except Exception as exc:

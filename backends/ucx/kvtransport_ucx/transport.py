@@ -268,6 +268,7 @@ class _UcxOutLink(OutboundLink):
                 log.warning("ucx: CUDA IPC kernel path unavailable (%s); using UCX puts (%s)", exc, self.lanes)
         if self.ipc is not None:
             self.lanes = "cuda-ipc kernel"
+        self.doorbell: Any = self.ipc_putter  # device-written completion words (kvtransport.doorbell)
         # Layers with one geometry (vLLM caches) share a segment plan per request: the manager hands every
         # layer of a request the same runs object, so the plan is derived once and each put only adds the
         # layer's base addresses.
@@ -310,6 +311,14 @@ class _UcxOutLink(OutboundLink):
         lo = int(signed.min())
         hi = int((signed + lens.astype(np.int64)).max())
         return _ucp.PreparedSegments(src_rel, dst_rel, lens), lo, hi, int(lens.sum())
+
+    def put_layers(self, layers: Sequence[int], runs: Sequence[BlockRun]) -> None:
+        if self.ipc_putter is not None:
+            if self._ipc_closed:
+                raise CommClosed("ucx link closed: the peer's memory is no longer mapped")
+            self.ipc_putter.put_layers(layers, runs)  # one kernel launch for every layer; non-blocking
+            return
+        super().put_layers(layers, runs)
 
     def put(self, layer: int, runs: Sequence[BlockRun]) -> None:
         if self.ipc_putter is not None:

@@ -145,8 +145,7 @@ class _Pusher:
             self._signal_later("layerwise", list(job[1]))
         elif kind == "whole":
             whole: Push = job[1]
-            for layer in range(self.num_layers):
-                self._put(whole, layer, signal_layer=True)
+            self._put_all(whole)  # every layer in one call (one device launch on CUDA IPC paths)
             self._signal_later("whole", [whole])
         elif kind == "release":
             self.releasing.append(job[1])
@@ -207,6 +206,18 @@ class _Pusher:
                 self.cm.put_layer(peer, p.seq, layer, p.src, p.dst)
             if signal_layer:
                 self.cm.signal_layer(peer, p.seq, layer)
+        except KVTransportError as exc:
+            self._fail(p, exc)
+
+    def _put_all(self, p: Push) -> None:
+        """Every layer of a request that is already computed (pull mode, or a whole-request push)."""
+        if p.seq in self.failed_seqs:
+            return
+        try:
+            peer = self._peer(p.engine)
+            self.touched[p.req_id].add(p.engine)
+            if p.src:
+                self.cm.put_layers(peer, p.seq, None, p.src, p.dst)
         except KVTransportError as exc:
             self._fail(p, exc)
 
