@@ -78,6 +78,12 @@ class _IdsKey:
         return isinstance(other, _IdsKey) and self.hash == other.hash and self.ids == other.ids
 
 
+def _as_lists(key: _IdsKey) -> tuple[list[Any], list[Any], int]:
+    """(source ids, destination ids, destination block count) of a runs-cache key, the ids as lists."""
+    src, dst, n = key.ids
+    return list(src), list(dst), n
+
+
 @dataclass
 class Stats:
     """Counters of one manager (``cm.stats()`` returns them as a dict)."""
@@ -136,7 +142,8 @@ class CommManager:
         self._abort_token = 0
         self._departed: OrderedDict[str, None] = OrderedDict()
         self._runs_cache: OrderedDict[_IdsKey, tuple[BlockRun, ...]] = OrderedDict()
-        self._last_runs: tuple[_IdsKey, tuple[BlockRun, ...]] | None = None  # the latest entry used
+        # the latest entry used: key, runs, and the ids as lists (for the fast path of _runs)
+        self._last_runs: tuple[_IdsKey, tuple[BlockRun, ...], tuple[list[Any], list[Any], int]] | None = None
         self._layer_planes = [len(layer.planes) for layer in layout.layers]  # for the stats of a put
         self._layer_block_bytes = [layer.block_bytes for layer in layout.layers]
         try:
@@ -297,18 +304,21 @@ class CommManager:
     def _runs(self, src_block_ids: Sequence[int], dst_block_ids: Sequence[int], dst_blocks: int) -> tuple[BlockRun, ...]:
         """Validated, coalesced runs; the same ids (every layer of a request) give the same tuple object,
         computed once, so backends can cache what they derive from it by identity."""
+        last = self._last_runs  # the layers of one request come one after another: no lock, no LRU update
+        if (last is not None and type(src_block_ids) is list and type(dst_block_ids) is list
+                and last[2] == (src_block_ids, dst_block_ids, dst_blocks)):
+            return last[1]  # same ids as the last call, compared as lists (C speed; no tuple, no hash)
         try:
             key = _IdsKey((tuple(src_block_ids), tuple(dst_block_ids), dst_blocks))
         except TypeError:
             raise InvalidBlockIds("block ids must be sequences of integers") from None
-        last = self._last_runs  # the layers of one request come one after another: no lock, no LRU update
         if last is not None and last[0] == key:
             return last[1]
         with self._lock:
             runs = self._runs_cache.get(key)
             if runs is not None:
                 self._runs_cache.move_to_end(key)
-                self._last_runs = (key, runs)
+                self._last_runs = (key, runs, _as_lists(key))
                 return runs
         limits = {"src_num_blocks": self.layout.num_blocks, "dst_num_blocks": dst_blocks}
         make = coalesce if self.settings.coalesce else single_runs
@@ -317,7 +327,7 @@ class CommManager:
             self._runs_cache[key] = runs
             while len(self._runs_cache) > RUNS_CACHE:
                 self._runs_cache.popitem(last=False)
-            self._last_runs = (key, runs)
+            self._last_runs = (key, runs, _as_lists(key))
         return runs
 
     def signal_layer(self, peer: Peer, seq_id: SeqId, layer: int) -> None:
