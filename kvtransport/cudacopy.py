@@ -310,8 +310,9 @@ class SegmentCopier:
         self._layer_params = (ctypes.c_void_p * 3)(*(ctypes.addressof(a) for a in self._layer_args))
         self._bell_args = (ctypes.c_uint64(), ctypes.c_uint64())
         self._bell_params = (ctypes.c_void_p * 2)(*(ctypes.addressof(a) for a in self._bell_args))
-        self._stream_events: dict[int, int] = {}  # stream -> event of its last launch, since the last doorbell
-        self._bell_done: Any = None  # recorded after each doorbell store
+        self._stream_events: dict[int, Any] = {}  # stream -> event of its last launch, since the last doorbell
+        self._bell_done: Any = None  # recorded after each doorbell store ...
+        self._bell_stream = 0  # ... on this stream
         self.inflight: collections.deque[tuple[Mark, Any]] = collections.deque()  # tables in use by kernels
         self._streams: dict[int, Any] = {}
         self._raw_stream: Any = None
@@ -394,9 +395,14 @@ class SegmentCopier:
             stream = ctypes.c_void_p(self._stream_ptr())
             prev = self.enter_context()
             try:
+                current = stream.value or 0
                 for other, event in self._stream_events.items():
-                    if other != (stream.value or 0):  # copies launched on another stream come first too
-                        drv.check(drv.stream_wait_event(stream, event, 0), "cuStreamWaitEvent")
+                    if other != current:  # copies launched on another stream come first too
+                        drv.check(drv.stream_wait_event(stream, event.ptr, 0), "cuStreamWaitEvent")
+                if self._bell_done is not None and self._bell_stream != current:
+                    # and so does the previous store (on another stream): stores run in the order they were
+                    # enqueued, so the word only grows, and copies an earlier store waited for stay covered
+                    drv.check(drv.stream_wait_event(stream, self._bell_done.ptr, 0), "cuStreamWaitEvent")
                 self._stream_events.clear()
                 a_word, a_value = self._bell_args
                 a_word.value, a_value.value = device_address, value
@@ -406,6 +412,7 @@ class SegmentCopier:
                     with self.cupy.cuda.Device(self.device_index):
                         self._bell_done = self.cupy.cuda.Event(disable_timing=True)
                 drv.check(drv.record(self._bell_done.ptr, stream), "cuEventRecord")
+                self._bell_stream = current
             finally:
                 self.leave_context(prev)
 
@@ -488,7 +495,7 @@ class SegmentCopier:
                 self.fresh_events += 1
             drv.check(drv.record(event.ptr, stream), "cuEventRecord")
             self.generations[slot] += 1
-            self._stream_events[stream.value or 0] = event.ptr
+            self._stream_events[stream.value or 0] = event  # the object: keeps a replaced ring event alive
         finally:
             self.leave_context(prev)
         self._launched = True

@@ -552,7 +552,7 @@ class CommManager:
     def _add_bell(self, inbound: _Inbound) -> None:
         with self._lock:
             self._bells = [*self._bells, inbound]
-        self._table.poller = self._poll_bells
+            self._table.poller = self._poll_bells
 
     def _drop_bell(self, inbound: _Inbound) -> None:
         with self._lock:
@@ -622,9 +622,10 @@ class _Inbound:
                             seq, layer, ticket = wire.decode_signal_ticket(payload)
                             if layer is not None and layer >= cm.layout.num_layers:
                                 raise ProtocolError(f"SIGNAL for layer {layer} beyond our {cm.layout.num_layers} layers")
-                            if ticket and self.bell is not None:
+                            bell = self.bell
+                            if ticket and bell is not None:
                                 with self.bell_lock:
-                                    if not self.bell.frame_applies(ticket):
+                                    if not bell.frame_applies(ticket):
                                         continue  # the doorbell applied it already
                             if self._checksums:
                                 self._apply(marks)
@@ -728,7 +729,10 @@ class _Inbound:
             return 1 if running else 0
         with self.cm._stats_lock:
             self.cm._stats.doorbell_signals += len(events)
-        self._apply(events)
+        try:
+            self._apply(events)
+        except KVTransportError as exc:  # a NACK that could not be sent: the reader thread sees the link fail
+            log.info("doorbell signals from %s: %s", self.peer, exc)
         return 2
 
     def _handshake(self) -> None:
@@ -992,10 +996,10 @@ class _Outbound:
         if ticket:
             try:
                 self.link.doorbell.doorbell_write(self._bell_word, ticket)
-            except Exception as exc:  # the frame still carries this signal; later ones go by frame only
+            except Exception as exc:  # the frame carries this signal (and its ticket: the receiver then
+                # knows the entry is done with); later signals go by frame only
                 log.warning("doorbell store failed (%s); completions go by the side channel from now on", exc)
                 self._bell = None
-                return 0
         return ticket
 
     def _check(self, seq: SeqId | None) -> None:
@@ -1302,13 +1306,14 @@ class _Outbound:
             self._idle.notify_all()
             self._wake.notify_all()
         self.conn.close()
-        bell, self._bell = self._bell, None
-        if bell is not None:
-            bell.close()
-            try:
-                self.link.doorbell.doorbell_unmap(self._bell_host)
-            except Exception as exc:
-                log.warning("doorbell unmap failed: %s", exc)
+        with self._put_lock:  # a signal inside _ring finishes its store first; later ones see no bell
+            bell, self._bell = self._bell, None
+            if bell is not None:
+                bell.close()
+                try:
+                    self.link.doorbell.doorbell_unmap(self._bell_host)
+                except Exception as exc:
+                    log.warning("doorbell unmap failed: %s", exc)
         try:
             self.link.close()
         except Exception as exc:

@@ -34,7 +34,12 @@ TOMBSTONES = 4096
 BELL_SPIN_S = 0.002
 """A waiter on doorbell completions looks again without sleeping this long from the start of its wait..."""
 BELL_POLL_S = 50e-6
-"""... then sleeps this long between looks (or less, when a side-channel signal wakes it)."""
+"""... then sleeps this long between looks (or less, when a side-channel signal wakes it), doubling while
+nothing changes up to BELL_POLL_MAX_S."""
+BELL_POLL_MAX_S = 1e-3
+BELL_RUNNING_SPIN_S = 0.05
+"""A waiter spins while an announced signal's copies run, for at most this long per wait (a store that never
+comes, e.g. a sender killed mid-request, must not keep a core busy until the timeout)."""
 """How many released sequence ids are remembered so late remote events for them are dropped."""
 
 
@@ -207,8 +212,11 @@ class SequenceTable:
         self._wait(seq_id, layer, timeout)
 
     def _wait(self, seq_id: SeqId, layer: int | None, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        spin_until = time.monotonic() + BELL_SPIN_S
+        start = time.monotonic()
+        deadline = start + timeout
+        spin_until = start + BELL_SPIN_S
+        running_until = start + BELL_RUNNING_SPIN_S
+        interval = BELL_POLL_S
         with self._cond:
             st = self.acquire(seq_id)
             assert st is not None
@@ -233,13 +241,17 @@ class SequenceTable:
                 self._cond.release()  # held once (``with``): the poller takes the table's lock to apply
                 try:
                     state = poller()
-                    spin = state == 1 or (state == 0 and time.monotonic() < spin_until)
+                    now = time.monotonic()
+                    spin = (state == 1 and now < running_until) or (state == 0 and now < spin_until)
                     if spin:
                         os.sched_yield()  # lets other threads run (time.sleep(0) would sleep ~55 µs of timer slack)
                 finally:
                     self._cond.acquire()
-                if state == 0 and not spin:
-                    self._cond.wait(min(left, BELL_POLL_S))
+                if state == 2 or spin:
+                    interval = BELL_POLL_S
+                else:
+                    self._cond.wait(min(left, interval))
+                    interval = min(2 * interval, BELL_POLL_MAX_S)
 
     def poll(self) -> list[SeqId]:
         """Ids that reached a final state (complete or failed) since the last poll. Non-blocking."""

@@ -287,7 +287,11 @@ def test_doorbell_store_follows_the_copies_of_every_stream(copier):
         assert copier.fake.bells == [(8, 5)] and bell.completed() == 5
         assert [w[0] for w in copier.fake.stream_waits] == [8]  # stream 8 waits for stream 7's last copy
         putter.doorbell_write(dev + doorbell.WORD_OFFSET, 6)
-        assert len(copier.fake.stream_waits) == 1  # nothing new on stream 7 since
+        assert len(copier.fake.stream_waits) == 1  # nothing new on stream 7, and the last store was on 8
+        copier._stream_ptr = lambda: 9
+        putter.doorbell_write(dev + doorbell.WORD_OFFSET, 7)
+        # a store from another stream waits for the previous store: stores run in order, the word only grows
+        assert copier.fake.stream_waits[-1] == (9, copier._bell_done.ptr)
         copier.fake.complete()
         putter.doorbell_unmap(bell.address)
         assert copier.fake.registered == {}

@@ -200,3 +200,50 @@ def test_closing_the_sender_unmaps_its_doorbell(bell_pair):
     host = peer._state._bell_host
     s.close()
     assert bell.unmapped == [host]
+
+
+def test_a_failed_doorbell_store_leaves_no_waiter_spinning(bell_pair, monkeypatch):
+    s, r, _, _, bell = bell_pair
+    peer = s.connect(r.metadata())
+    deadline = time.monotonic() + 5
+    while not r._bells and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+    def broken(device_address, value):
+        raise RuntimeError("store refused")
+
+    monkeypatch.setattr(bell, "doorbell_write", broken)
+    s.put_layer(peer, "a", 0, [1], [1])
+    s.signal(peer, "a")  # announced on the ring, but no store will come: the frame carries the ticket
+    r.wait("a", timeout=5)
+    assert peer._state._bell is None  # later signals go by frame only
+    (inbound,) = r._bells
+    assert not inbound.bell.in_flight()  # else every waiter would spin on a store that never comes
+    s.put_layer(peer, "b", 0, [2], [2])
+    s.signal(peer, "b")
+    r.wait("b", timeout=5)
+
+
+def test_no_doorbell_store_after_close_unmapped_the_page(bell_pair):
+    """A signal whose store is being enqueued when another thread closes: the page is unmapped only after."""
+    s, r, _, _, bell = bell_pair
+    peer = s.connect(r.metadata())
+    order: list[str] = []
+    inside = threading.Event()
+    orig_write, orig_unmap = bell.doorbell_write, bell.doorbell_unmap
+
+    def slow_write(address, value):
+        order.append("write-begin")
+        inside.set()
+        time.sleep(0.2)  # a store being enqueued while close() runs on another thread
+        orig_write(address, value)
+        order.append("write-end")
+
+    bell.doorbell_write = slow_write
+    bell.doorbell_unmap = lambda a: (order.append("unmap"), orig_unmap(a))
+    t = threading.Thread(target=s.signal, args=(peer, "x"))
+    t.start()
+    assert inside.wait(5)
+    s.close()
+    t.join(5)
+    assert order == ["write-begin", "write-end", "unmap"]
