@@ -1306,15 +1306,16 @@ class _Outbound:
             self._idle.notify_all()
             self._wake.notify_all()
         self.conn.close()
-        with self._put_lock:  # a signal inside _ring finishes its store first; later ones see no bell
-            bell, self._bell = self._bell, None
-            if bell is not None:
-                bell.close()
-                try:
-                    self.link.doorbell.doorbell_unmap(self._bell_host)
-                except Exception as exc:
-                    log.warning("doorbell unmap failed: %s", exc)
         try:
-            self.link.close()
+            self.link.close()  # first: it also ends a put blocked on the peer (which holds the put lock)
         except Exception as exc:
             log.warning("outbound link close failed: %s", exc)
+        if self._bell is not None:
+            with self._put_lock:  # a signal inside _ring finishes its store first; later ones see no bell
+                bell, self._bell = self._bell, None
+                if bell is not None:
+                    bell.close()
+                    try:
+                        self.link.doorbell.doorbell_unmap(self._bell_host)
+                    except Exception as exc:
+                        log.warning("doorbell unmap failed: %s", exc)
