@@ -13,6 +13,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvtransport as kt
 from kvtransport import doorbell
@@ -70,6 +72,33 @@ def test_an_overwritten_or_torn_entry_is_never_applied():
     ctypes.c_uint64.from_address(w.address + off + doorbell.ENTRY - 8).value = 99
     _complete(w, 4)
     assert r.landed() == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=doorbell.ENTRY, max_size=doorbell.ENTRY), st.integers(1, 3 * doorbell.ENTRIES))
+def test_a_hostile_ring_entry_reads_as_nothing_or_a_valid_signal(garbage, ticket):
+    """The page is written by the peer: whatever bytes an entry holds, reading it gives None or a well-formed
+    (sequence id, layer) — never an exception (layers are range-checked by the manager)."""
+    w, r = _pair()
+    off = doorbell.ENTRIES_OFFSET + ((ticket - 1) % doorbell.ENTRIES) * doorbell.ENTRY
+    m = w._map
+    m[off : off + doorbell.ENTRY] = garbage
+    if garbage[0] & 1:  # half the time, make the ticket fields match so the body is parsed
+        m[off : off + 8] = ticket.to_bytes(8, "little")
+        m[off + doorbell.ENTRY - 8 : off + doorbell.ENTRY] = ticket.to_bytes(8, "little")
+    got = r.entry(ticket)
+    assert got is None or (isinstance(got[0], str | int) and (got[1] is None or isinstance(got[1], int)))
+    w.close()
+    r.close()
+
+
+def test_an_entry_whose_sequence_id_is_not_a_str_or_int_is_refused():
+    w, r = _pair()
+    w.announce("x", None)
+    off = doorbell.ENTRIES_OFFSET
+    w._map[off + 12 : off + 14] = (3).to_bytes(2, "little")
+    w._map[off + 14 : off + 17] = b"[1]"  # valid JSON, not a sequence id
+    assert r.entry(1) is None
 
 
 def test_sequence_ids_too_long_for_an_entry_go_by_frame_only():

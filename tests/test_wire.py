@@ -10,6 +10,12 @@ from hypothesis import strategies as st
 from kvtransport import BlockRun, ProtocolError, VersionMismatch, wire
 
 
+def test_signal_tickets_round_trip_and_old_signals_decode():
+    assert wire.decode_signal_ticket(wire.encode_signal("r", 3, 77)) == ("r", 3, 77)
+    assert wire.decode_signal_ticket(wire.encode_signal("r", None)) == ("r", None, 0)
+    assert wire.decode_signal(wire.encode_signal(5, None, 9)) == (5, None)
+
+
 def test_put_and_signal_round_trip():
     runs = [BlockRun(1, 2, 3), BlockRun(10, 0, 1)]
     assert wire.decode_put(wire.encode_put("req-1", 5, runs)) == ("req-1", 5, runs)
@@ -51,7 +57,7 @@ def test_error_reports_never_instantiate_arbitrary_types():
     assert type(wire.error_from_wire({"error": "SlotsExhausted", "message": "full"})).__name__ == "SlotsExhausted"
 
 
-DECODERS = [wire.decode_metadata, wire.decode_put, wire.decode_signal, wire.decode_nack,
+DECODERS = [wire.decode_metadata, wire.decode_put, wire.decode_signal_ticket, wire.decode_nack,
             lambda b: wire.parse_header(b[: wire.FRAME_HEADER.size].ljust(wire.FRAME_HEADER.size, b"\0"))]
 
 
