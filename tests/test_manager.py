@@ -370,3 +370,20 @@ def test_a_receiver_failing_after_welcome_reports_its_reason_to_the_sender(pair,
             break
         assert time.monotonic() < deadline, "the sender never learned that the receiver refused the link"
         time.sleep(0.05)
+
+
+def test_side_channel_sockets_probe_a_silent_peer_within_bounds():
+    """A peer host that vanishes without closing is noticed in ~25 s (TCP keepalive), not the system's 2 h."""
+    from kvtransport.sidechannel import KEEPALIVE_IDLE_S, KEEPALIVE_PROBES, FramedSocket
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        b = socket.create_connection(server.getsockname()[:2], timeout=5)
+        a, _ = server.accept()
+    try:
+        FramedSocket(a, "peer", send_timeout=1.0)
+        assert a.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert a.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE_IDLE_S
+        assert a.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == KEEPALIVE_PROBES
+    finally:
+        a.close()
+        b.close()

@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from kvtransport import sidechannel as core_sc
+
 sc = pytest.importorskip("kvtransport_vllm.sidechannel", reason="kvtransport-vllm is not installed")
 
 
@@ -18,7 +20,7 @@ def test_a_peer_that_stops_reading_fails_the_connection_within_the_send_bound() 
     try:
         conn = sc._Conn(a, "stalled-peer", send_timeout=0.5)
         assert a.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
-        assert a.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == sc.KEEPALIVE_IDLE_S
+        assert a.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == core_sc.KEEPALIVE_IDLE_S
         blob = "x" * (1 << 20)
         t0 = time.monotonic()
         for i in range(64):  # far more than the socket buffers hold: the writer must block, then give up

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvtransport.sidechannel import block_with_send_bound
+from kvtransport.sidechannel import block_with_send_bound, enable_keepalive
 
 from .protocol import PROTOCOL_VERSION, ProtocolFailure, describe_mismatch, recv_message, send_message
 
@@ -31,8 +31,6 @@ Inbox = queue.Queue[tuple[Any, ...]]  # see module docstring
 CompatFn = Callable[[], tuple[str, dict[str, Any]]]
 
 
-KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 3
-"""A peer host that vanishes without closing (power, network) is declared lost after ~25 s of silence."""
 
 
 class _Conn:
@@ -44,12 +42,7 @@ class _Conn:
 
     def __init__(self, sock: socket.socket, label: str, send_timeout: float) -> None:
         block_with_send_bound(sock, send_timeout)
-        if sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            for opt, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
-                               ("TCP_KEEPCNT", KEEPALIVE_PROBES)):
-                if hasattr(socket, opt):  # Linux; elsewhere the system's keepalive defaults apply
-                    sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+        enable_keepalive(sock)  # a silent peer host is declared lost after ~25 s (kvtransport.sidechannel)
         self.sock = sock
         self.label = label
         self.out: queue.Queue[dict[str, Any] | None] = queue.Queue()
