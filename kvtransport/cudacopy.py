@@ -43,10 +43,9 @@ SPIN_S = 50e-6
 SLEEP_S = 20e-6
 
 KERNEL = r"""
-extern "C" __global__ void kvt_segment_copy(const unsigned long long* __restrict__ segs, int n,
-                                            unsigned long long src_base, unsigned long long dst_base) {
-    int i = blockIdx.x;
-    if (i >= n) return;
+// One CTA copies one segment: 16-byte loads and stores when everything is 16-byte aligned, bytes otherwise.
+__device__ __forceinline__ void kvt_copy_segment(const unsigned long long* __restrict__ segs, int i,
+                                                 unsigned long long src_base, unsigned long long dst_base) {
     const unsigned long long src = src_base + segs[3 * i], dst = dst_base + segs[3 * i + 1], len = segs[3 * i + 2];
     if (((src | dst | len) & 15ull) == 0) {
         const int4* s = reinterpret_cast<const int4*>(src);
@@ -61,25 +60,18 @@ extern "C" __global__ void kvt_segment_copy(const unsigned long long* __restrict
     __threadfence_system();
 }
 
+extern "C" __global__ void kvt_segment_copy(const unsigned long long* __restrict__ segs, int n,
+                                            unsigned long long src_base, unsigned long long dst_base) {
+    const int i = blockIdx.x;
+    if (i < n) kvt_copy_segment(segs, i, src_base, dst_base);
+}
+
 // Every layer of a request in one launch: blockIdx.y picks the layer, whose (source, destination) base
 // addresses are bases[2 * y], bases[2 * y + 1]; the segment table is the one kvt_segment_copy uses.
 extern "C" __global__ void kvt_segment_copy_layers(const unsigned long long* __restrict__ segs, int n,
                                                    const unsigned long long* __restrict__ bases) {
-    int i = blockIdx.x;
-    if (i >= n) return;
-    const unsigned long long src_base = bases[2 * blockIdx.y], dst_base = bases[2 * blockIdx.y + 1];
-    const unsigned long long src = src_base + segs[3 * i], dst = dst_base + segs[3 * i + 1], len = segs[3 * i + 2];
-    if (((src | dst | len) & 15ull) == 0) {
-        const int4* s = reinterpret_cast<const int4*>(src);
-        int4* d = reinterpret_cast<int4*>(dst);
-        const unsigned long long n16 = len >> 4;
-        for (unsigned long long k = threadIdx.x; k < n16; k += blockDim.x) d[k] = s[k];
-    } else {
-        const unsigned char* s = reinterpret_cast<const unsigned char*>(src);
-        unsigned char* d = reinterpret_cast<unsigned char*>(dst);
-        for (unsigned long long k = threadIdx.x; k < len; k += blockDim.x) d[k] = s[k];
-    }
-    __threadfence_system();
+    const int i = blockIdx.x;
+    if (i < n) kvt_copy_segment(segs, i, bases[2 * blockIdx.y], bases[2 * blockIdx.y + 1]);
 }
 
 // A doorbell (kvtransport.doorbell): after every copy before it on the stream, store ``value`` into a
