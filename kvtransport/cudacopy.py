@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -437,19 +437,12 @@ class SegmentCopier:
 
         Runs on torch's current stream (after the kernels that produced the KV). Non-blocking; returns
         the mark of this launch (pass it to :meth:`wait`)."""
-        with self._launch_lock:  # links of one transport share the argument buffers and the event ring
-            if not self.fast:
-                return self._launch_cupy(table, n, src_base, dst_base)
-            try:
-                a_table, a_n, a_src, a_dst = self._args
-                a_table.value, a_n.value, a_src.value, a_dst.value = int(table.data.ptr), n, src_base, dst_base
-                return self._launch_fast(self._func, n, 1, self._params, table)
-            except TransferError as exc:
-                if self._launched:
-                    raise
-                self.fast = False  # the first launch failed: use CuPy's launch from now on, and say so once
-                log.warning("direct kernel launch failed (%s); using CuPy's launch (slower per put)", exc)
-                return self._launch_cupy(table, n, src_base, dst_base)
+        def fast() -> Mark:
+            a_table, a_n, a_src, a_dst = self._args
+            a_table.value, a_n.value, a_src.value, a_dst.value = int(table.data.ptr), n, src_base, dst_base
+            return self._launch_fast(self._func, n, 1, self._params, table)
+
+        return self._launch(fast, lambda: self._launch_cupy(table, n, src_base, dst_base))
 
     def launch_layers(self, table: Any, n: int, bases: Any, layers: int) -> Mark:
         """One kernel for ``layers`` layers: segment i of layer y copies ``len`` bytes from
@@ -458,19 +451,27 @@ class SegmentCopier:
         Same stream and return as :meth:`launch`; ``layers`` ≤ MAX_GRID_Y."""
         if not 0 < layers <= MAX_GRID_Y:
             raise TransferError(f"one launch covers 1 to {MAX_GRID_Y} layers, not {layers}")
-        with self._launch_lock:
+
+        def fast() -> Mark:
+            a_table, a_n, a_bases = self._layer_args
+            a_table.value, a_n.value, a_bases.value = int(table.data.ptr), n, int(bases.data.ptr)
+            return self._launch_fast(self._layers_func, n, layers, self._layer_params, (table, bases))
+
+        return self._launch(fast, lambda: self._launch_layers_cupy(table, n, bases, layers))
+
+    def _launch(self, fast: Callable[[], Mark], slow: Callable[[], Mark]) -> Mark:
+        """Launch directly (``fast``), or through CuPy (``slow``) once a first direct launch has failed."""
+        with self._launch_lock:  # links of one transport share the argument buffers and the event ring
             if not self.fast:
-                return self._launch_layers_cupy(table, n, bases, layers)
+                return slow()
             try:
-                a_table, a_n, a_bases = self._layer_args
-                a_table.value, a_n.value, a_bases.value = int(table.data.ptr), n, int(bases.data.ptr)
-                return self._launch_fast(self._layers_func, n, layers, self._layer_params, (table, bases))
+                return fast()
             except TransferError as exc:
                 if self._launched:
                     raise
-                self.fast = False
+                self.fast = False  # the first launch failed: use CuPy's launch from now on, and say so once
                 log.warning("direct kernel launch failed (%s); using CuPy's launch (slower per put)", exc)
-                return self._launch_layers_cupy(table, n, bases, layers)
+                return slow()
 
     def _launch_fast(self, func: Any, grid_x: int, grid_y: int, params: Any, keep: Any) -> Mark:
         drv = self.driver

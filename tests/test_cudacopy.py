@@ -31,6 +31,8 @@ class FakeDriver:
         self.completed = 0  # how many entries of ``recorded`` are done
         self.launches = 0
         self.grids: list[tuple[int, int]] = []
+        self.cupy_launches: list[tuple[int, tuple[int, ...]]] = []
+        self.fail_launches = 0  # the next launches return this CUDA error count down
         self.bells: list[tuple[int, int]] = []
         self.stream_waits: list[tuple[int, int]] = []
         self.registered: dict[int, int] = {}
@@ -53,6 +55,9 @@ class FakeDriver:
 
     def launch(self, func, gx, gy, gz, bx, by, bz, shmem, stream, params, extra):
         """Runs the kernel on host memory (the tests' "device" pointers are host addresses)."""
+        if self.fail_launches:
+            self.fail_launches -= 1
+            return 1  # CUDA_ERROR_INVALID_VALUE
         self.launches += 1
         self.grids.append((gx, gy))
         if func.value == 3:  # the doorbell: store a word
@@ -107,6 +112,9 @@ def copier(monkeypatch):
         def __init__(self, disable_timing=True):
             self.ptr = next(ptrs)
 
+        def record(self, stream=None):
+            FakeDriver.last.recorded.append(self.ptr)
+
     class Device:
         def __init__(self, index):
             pass
@@ -123,6 +131,9 @@ def copier(monkeypatch):
 
         def compile(self):
             pass
+
+        def __call__(self, grid, block, args):  # CuPy's own launch (the fallback path)
+            FakeDriver.last.cupy_launches.append((self.kernel.ptr, grid))
 
     class HostArray:  # cupy.asarray's stand-in: "device" memory is host memory here
         def __init__(self, values):
@@ -297,3 +308,22 @@ def test_doorbell_store_follows_the_copies_of_every_stream(copier):
         assert copier.fake.registered == {}
     finally:
         bell.close()
+
+
+def test_a_first_direct_launch_that_fails_falls_back_to_cupy_for_both_kernels(copier):
+    copier.fake.fail_launches = 1
+    mark = _launch(copier)
+    assert not copier.fast and copier.fake.cupy_launches == [(1, (1,))] and copier.fake.launches == 0
+    table = types.SimpleNamespace(data=types.SimpleNamespace(ptr=4096))
+    copier.launch_layers(table, 3, table, 2)
+    assert copier.fake.cupy_launches[-1] == (2, (3, 2))  # the layers kernel goes the same way
+    copier.fake.complete()
+    assert mark.done
+
+
+def test_a_direct_launch_failing_after_one_succeeded_is_an_error(copier):
+    _launch(copier)
+    copier.fake.fail_launches = 1
+    with pytest.raises(cudacopy.TransferError, match="copy kernel launch"):
+        _launch(copier)
+    assert copier.fast and copier.fake.cupy_launches == []
