@@ -411,21 +411,13 @@ class SegmentCopier:
     def bells_done(self, timeout: float) -> bool:
         """Whether every doorbell store enqueued so far has run (polls up to ``timeout``); unregistering a
         word a store is still headed for would fault the context."""
-        event = self._bell_done
-        if event is None:
+        if self._bell_done is None:
             return True
-        deadline = time.monotonic() + timeout
-        while True:
-            prev = self.enter_context()
-            try:
-                rc = int(self.driver.query(event.ptr))
-            finally:
-                self.leave_context(prev)
-            if rc != _Driver.NOT_READY:
-                return rc == 0
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(SLEEP_S)
+        try:
+            self.wait(Mark(self, self._bell_done), timeout)
+        except TransferError:  # not done in time, or the context reports an error: leave the page alone
+            return False
+        return True
 
     def upload_array(self, values: np.ndarray) -> Any:
         """A small uint64 array on the device (on the caller's current stream)."""

@@ -303,6 +303,8 @@ def test_doorbell_store_follows_the_copies_of_every_stream(copier):
         putter.doorbell_write(dev + doorbell.WORD_OFFSET, 7)
         # a store from another stream waits for the previous store: stores run in order, the word only grows
         assert copier.fake.stream_waits[-1] == (9, copier._bell_done.ptr)
+        putter.doorbell_unmap(bell.address)
+        assert copier.fake.registered == {bell.address: doorbell.SIZE}  # a store still pending: left pinned
         copier.fake.complete()
         putter.doorbell_unmap(bell.address)
         assert copier.fake.registered == {}
