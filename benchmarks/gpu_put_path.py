@@ -5,7 +5,8 @@ path, for one backend on a 2-GPU host (sender on cuda:0, receiver process on cud
 script splits it: per request it times every ``put_layer`` call on the host, the copies on the device (CUDA
 events around them on the sender's stream), when the sender's ``flush`` returned and when the receiver's
 ``wait`` returned (``time.monotonic`` is one clock for both processes), and it prices the launcher's
-primitives one by one. Next to each request: the raw GPU0 -> GPU1 copy of the same bytes, same run.
+primitives one by one. Next to each request: the raw GPU0 -> GPU1 copy of the same bytes, same run (the
+bench's own Ceiling).
 
     python benchmarks/gpu_put_path.py --backend mscclpp --out /tmp/probe.json
     python benchmarks/gpu_put_path.py --backend ucx --api layers   # one put_layers call per request
@@ -67,24 +68,6 @@ def _receiver(backend: str, cases: list[str], conn: Any, doorbell: bool) -> None
             conn.send(cm.stats()["doorbell_signals"])
         del cache
         torch.cuda.empty_cache()
-
-
-def _raw_copy_s(nbytes: int) -> float:
-    """Best of 5: one GPU0 -> GPU1 copy of ``nbytes`` (CUDA events)."""
-    import torch
-
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-    b = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
-    best = float("inf")
-    for _ in range(6):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        b.copy_(a, non_blocking=True)
-        e1.record()
-        torch.cuda.synchronize(0)
-        torch.cuda.synchronize(1)
-        best = min(best, e0.elapsed_time(e1) / 1e3)
-    return best
 
 
 def _primitives(cm: Any) -> dict[str, float]:
@@ -189,7 +172,9 @@ def run_case(backend: str, name: str, reps: int, api: str, conn: Any, doorbell: 
     by_bell = conn.recv()
     del cache
     torch.cuda.empty_cache()
-    raw = _raw_copy_s(nbytes)
+    from kvtransport.bench.baselines import Ceiling
+
+    raw = Ceiling("cuda", cap=nbytes).measure(nbytes)["seconds"]  # best of 5 GPU0 -> GPU1 copies (CUDA events)
     med = {k: round(statistics.median(v), 1) for k, v in rows.items()}
     return {"case": name, "backend": backend, "api": api, "doorbell": doorbell, "doorbell_signals": by_bell, "bytes": nbytes, "layers": spec.num_layers,
             "raw_copy_us": round(raw * 1e6, 1), "raw_gbps": round(nbytes / raw / 1e9, 1), **med,

@@ -145,7 +145,7 @@ class _Pusher:
             self._signal_later("layerwise", list(job[1]))
         elif kind == "whole":
             whole: Push = job[1]
-            self._put_all(whole)  # every layer in one call (one device launch on CUDA IPC paths)
+            self._put(whole, None)  # every layer in one call (one device launch on CUDA IPC paths)
             self._signal_later("whole", [whole])
         elif kind == "release":
             self.releasing.append(job[1])
@@ -196,28 +196,21 @@ class _Pusher:
                 except KVTransportError:
                     pass
 
-    def _put(self, p: Push, layer: int, *, signal_layer: bool) -> None:
+    def _put(self, p: Push, layer: int | None, *, signal_layer: bool = False) -> None:
+        """One layer of ``p`` (and its layer signal), or with ``layer`` None every layer in one call (a
+        request whose KV is already computed: pull mode, or a whole-request push)."""
         if p.seq in self.failed_seqs:
             return
         try:
             peer = self._peer(p.engine)
             self.touched[p.req_id].add(p.engine)
             if p.src:
-                self.cm.put_layer(peer, p.seq, layer, p.src, p.dst)
-            if signal_layer:
+                if layer is None:
+                    self.cm.put_layers(peer, p.seq, None, p.src, p.dst)
+                else:
+                    self.cm.put_layer(peer, p.seq, layer, p.src, p.dst)
+            if signal_layer and layer is not None:
                 self.cm.signal_layer(peer, p.seq, layer)
-        except KVTransportError as exc:
-            self._fail(p, exc)
-
-    def _put_all(self, p: Push) -> None:
-        """Every layer of a request that is already computed (pull mode, or a whole-request push)."""
-        if p.seq in self.failed_seqs:
-            return
-        try:
-            peer = self._peer(p.engine)
-            self.touched[p.req_id].add(p.engine)
-            if p.src:
-                self.cm.put_layers(peer, p.seq, None, p.src, p.dst)
         except KVTransportError as exc:
             self._fail(p, exc)
 
