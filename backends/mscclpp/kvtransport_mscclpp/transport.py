@@ -299,16 +299,16 @@ class _IpcOutLink(OutboundLink):
         self._keep = keep
 
     def put(self, layer: int, runs: Sequence[BlockRun]) -> None:
-        try:
-            self.putter.put(layer, runs)
-        except KVTransportError:
-            raise
-        except Exception as exc:
-            raise native.translate(exc, "CudaIpc put") from None
+        self._put(self.putter.put, layer, runs)
 
     def put_layers(self, layers: Sequence[int], runs: Sequence[BlockRun]) -> None:
+        self._put(self.putter.put_layers, layers, runs)  # one kernel for every layer
+
+    @staticmethod
+    def _put(launch: Any, layers: Any, runs: Sequence[BlockRun]) -> None:
+        """Run one of the putter's launches; a library error becomes a typed kvtransport error."""
         try:
-            self.putter.put_layers(layers, runs)  # one kernel for every layer
+            launch(layers, runs)
         except KVTransportError:
             raise
         except Exception as exc:
