@@ -2,7 +2,7 @@
 
 Public API::
 
-    cm = kvtransport.open(layout, backend=None, ifname=None, **options)   # -> CommManager
+    cm = kvtransport.open(layout, backend=None, ifname=None, capacity=..., timeout=..., ...)  # -> CommManager
     peer = cm.connect(other_cm_metadata)                                   # sender side
     cm.put_layer(peer, seq_id, layer, src_block_ids, dst_block_ids)        # async, coalesced
     cm.signal_layer(peer, seq_id, layer); cm.signal(peer, seq_id)
@@ -51,23 +51,41 @@ def open(  # noqa: A001 - the name the contract asks for
     *,
     backend: str | None = None,
     ifname: str | None = None,
-    **options: Any,
+    capacity: int | None = None,
+    timeout: float | None = None,
+    port: int | None = None,
+    secret: str | bytes | None = None,
+    coalesce: bool | None = None,
+    checksum: bool | None = None,
+    doorbell: bool | None = None,
+    **backend_options: Any,
 ) -> CommManager:
     """Create a :class:`CommManager` for ``layout``.
 
-    Backend: ``backend`` argument, else ``KV_TRANSPORT``, else the best available for the layout's memory.
-    Interface: ``ifname``, else ``NET_IFNAME``, else loopback. Core options: ``capacity`` (sequence slots),
-    ``timeout`` (seconds, default bound for connect/handshake), ``port``, ``secret``, ``coalesce``,
-    ``checksum``, ``doorbell`` (False: completions only by the side channel; see kvtransport.doorbell);
-    other keyword options go to the backend. Blocking only for backend set-up. Raises
-    ConfigurationError subclasses (each names the fix) or LayoutError.
+    Each option left at None comes from its environment variable, else its default (kvtransport.config):
+
+    * ``backend`` (``KV_TRANSPORT``): a name, or ``auto``: the best available for the layout's memory.
+    * ``ifname`` (``NET_IFNAME``): interface for side channel and backend; loopback when unset.
+    * ``capacity`` (``KV_TRANSPORT_CAPACITY``, 1024): sequence slots of the receiver.
+    * ``timeout`` (``KV_TRANSPORT_TIMEOUT``, 30): seconds, default bound for connect/handshake/internal waits.
+    * ``port`` (``KV_TRANSPORT_PORT``, 0 = any free one): side-channel port.
+    * ``secret`` (``KV_TRANSPORT_SECRET``): peers must prove it (HMAC) in the handshake.
+    * ``coalesce`` (``KV_TRANSPORT_COALESCE``, True): merge adjacent blocks into runs.
+    * ``checksum`` (``KV_TRANSPORT_CHECKSUM``, False): debug option, CRC-32 of every put checked (host memory).
+    * ``doorbell`` (``KV_TRANSPORT_DOORBELL``, True): False keeps completions on the side channel only.
+
+    Other keyword options are the backend's own (e.g. ucx ``tls``, nccl ``strategy``); a name that neither
+    the core nor the chosen backend knows is refused, naming the closest valid one. Blocking only for backend
+    set-up. Raises ConfigurationError subclasses (each names the fix) or LayoutError.
     """
     if not isinstance(layout, KVLayout):
         raise LayoutError(f"open() needs a KVLayout (KVLayout.from_tensors(...)), got {type(layout).__name__}")
-    settings = resolve(backend, ifname, **options)
+    settings = resolve(backend, ifname, capacity=capacity, timeout=timeout, port=port, secret=secret,
+                       coalesce=coalesce, checksum=checksum, doorbell=doorbell, **backend_options)
     if settings.checksum and layout.is_cuda:
         raise ConfigurationError("checksum=True (a debug option) verifies host memory only; turn it off for CUDA caches")
     spec = registry.choose(settings.backend, layout.memory_kind)
+    registry.check_options(spec, backend_options)
     try:
         transport = spec.create(layout, settings)
     except KVTransportError:

@@ -205,6 +205,13 @@ class BackendSpec(ABC):
     memory_kinds: frozenset[str] = frozenset({"cpu"})
     cross_process: bool = True
     """False for a backend whose peers must live in one process (the in-process reference backend)."""
+    test_only: bool = False
+    """True for a backend meant for tests (``inproc``): usable by name, left out of user listings
+    (``kvtransport backends``, doctor, the demo's and set-up's printouts) and never chosen by ``auto``."""
+    options: tuple[str, ...] | None = None
+    """Names of the backend's own keyword options of ``kvtransport.open()`` (``()``: none). With it, a
+    misspelt option is refused before the backend starts, naming the closest valid one; None (undeclared)
+    hands every unknown option to :meth:`create`."""
 
     @abstractmethod
     def probe(self) -> Availability:

@@ -2,7 +2,8 @@
 
 Every error raised by kvtransport (core or backend) is a subclass of :class:`KVTransportError`;
 backends translate their library's failures into these types so callers never have to catch a
-backend-specific exception::
+backend-specific exception. ``error.fix`` says what to do about it where the message alone does not (the
+``kvtransport`` command prints it under the one-line error)::
 
     KVTransportError
     ├── ConfigurationError          bad option / environment value (names the fix)
@@ -27,7 +28,15 @@ from __future__ import annotations
 
 
 class KVTransportError(Exception):
-    """Base of every kvtransport error."""
+    """Base of every kvtransport error. ``fix``: what to do about it (a class default, or ``fix=`` at the
+    raise site), empty when the message already says it."""
+
+    fix: str = ""
+
+    def __init__(self, *args: object, fix: str | None = None) -> None:
+        super().__init__(*args)
+        if fix is not None:
+            self.fix = fix
 
 
 class ConfigurationError(KVTransportError):
@@ -37,13 +46,19 @@ class ConfigurationError(KVTransportError):
 class UnknownBackend(ConfigurationError):
     """The requested backend name is not registered."""
 
+    fix = "pick one with --backend, backend= or KV_TRANSPORT (`kvtransport backends` lists them)"
+
 
 class BackendUnavailable(ConfigurationError):
     """The backend is registered but cannot run on this machine (the message says why)."""
 
+    fix = "`kvtransport doctor` checks this machine; or pick another backend with --backend / KV_TRANSPORT"
+
 
 class InterfaceNotFound(ConfigurationError):
     """NET_IFNAME (or ``ifname=``) names an interface that does not exist or has no address."""
+
+    fix = "set NET_IFNAME to one of the interfaces listed, or unset it for peers on this host (loopback)"
 
 
 class LayoutError(KVTransportError):

@@ -216,7 +216,7 @@ class CommManager:
                 raise wire.error_from_wire(reply)
             if kind != FrameType.WELCOME or not isinstance(reply.get("reply"), dict):
                 raise ProtocolError(f"expected WELCOME from {label}, got {kind.name}")
-            link = dialer.complete(reply["reply"], max(0.001, deadline - time.monotonic()))
+            link = _complete_watching_refusal(conn, dialer, reply["reply"], deadline, label)
         except BaseException as exc:
             if dialer is not None:
                 dialer.abort()
@@ -579,6 +579,54 @@ class CommManager:
             self._table.fail_peer(inbound.peer, PeerDisconnected(f"sender {inbound.peer} disconnected"))
 
 
+def _complete_watching_refusal(conn: FramedSocket, dialer: Any, reply: dict[str, Any], deadline: float,
+                               label: str) -> OutboundLink:
+    """``dialer.complete(reply, ...)`` on a helper thread while this thread watches the side channel.
+
+    Between WELCOME and a working link the receiver sends nothing unless its own half of the link fails; then
+    it sends REFUSE with its reason. A backend's completion may block until the deadline (a rendezvous with a
+    peer that will never come); watching for that REFUSE ends the connect at once with the receiver's own
+    reason instead. Raises the receiver's error, or whatever ``complete`` raised; bounded by ``deadline``."""
+    outcome: dict[str, Any] = {}
+    finished = threading.Event()
+    abandoned = threading.Event()
+
+    def run() -> None:
+        try:
+            made = dialer.complete(reply, max(0.001, deadline - time.monotonic()))
+            if abandoned.is_set():  # the caller gave up (the receiver refused): nobody will use this link
+                made.close()
+            else:
+                outcome["link"] = made
+        except BaseException as exc:  # handed to the caller
+            outcome["error"] = exc
+        finally:
+            finished.set()
+
+    threading.Thread(target=run, name=f"kvt-dial-{label}", daemon=True).start()
+    while not finished.is_set() and time.monotonic() < deadline + 1.0:  # a backend that overruns is given up
+        if not conn.readable(0.005):
+            continue
+        if finished.is_set():
+            break
+        try:
+            kind, payload = conn.recv(deadline)
+        except KVTransportError:
+            finished.wait(max(0.0, deadline - time.monotonic()))  # the socket failed: the backend says why
+            break
+        abandoned.set()
+        if kind == FrameType.REFUSE:
+            raise wire.error_from_wire(wire.parse_json_payload(payload, "REFUSE"))
+        raise ProtocolError(f"unexpected {kind.name} frame from {label} while the link was being set up")
+    if "error" in outcome:
+        raise outcome["error"]
+    if "link" not in outcome:
+        abandoned.set()
+        raise TransferTimeout(f"link set-up with {label} did not finish in time")
+    link: OutboundLink = outcome["link"]
+    return link
+
+
 class _Inbound:
     """One connected sender, served on its own thread."""
 
@@ -619,9 +667,13 @@ class _Inbound:
                 try:
                     for kind, payload in self.conn.recv_many():
                         if kind == FrameType.SIGNAL:
-                            seq, layer, ticket = wire.decode_signal_ticket(payload)
+                            seq, layer, ticket, puts, nbytes = wire.decode_signal_full(payload)
                             if layer is not None and layer >= cm.layout.num_layers:
                                 raise ProtocolError(f"SIGNAL for layer {layer} beyond our {cm.layout.num_layers} layers")
+                            if (puts or nbytes) and not two_sided:  # one-sided: what landed since the last one
+                                with cm._stats_lock:
+                                    cm._stats.puts_received += puts
+                                    cm._stats.bytes_received += nbytes
                             bell = self.bell
                             if ticket and bell is not None:
                                 with self.bell_lock:
@@ -957,6 +1009,7 @@ class _Outbound:
         self._bell: BellWriter | None = None  # this link's doorbell (see open_doorbell)
         self._bell_word = 0  # device address of its completion word
         self._bell_host = 0  # host address of its mapping
+        self._unsignalled = [0, 0]  # one-sided: puts and bytes issued since the last SIGNAL (under _put_lock)
         self._reader = cm._spawn(self._read_loop, f"kvt-out-{info.instance[:6]}")
         if self.one_sided:
             self._signaller = cm._spawn(self._signal_loop, f"kvt-sig-{info.instance[:6]}")
@@ -1016,6 +1069,10 @@ class _Outbound:
         with self._put_lock:  # an abort fence cannot slip between the check and the issue
             self._check(seq)
             try:
+                if self.one_sided:  # the receiver learns these counts from the next SIGNAL
+                    nblocks = sum(r.count for r in runs)
+                    self._unsignalled[0] += len(layers)
+                    self._unsignalled[1] += sum(nblocks * self.cm._layer_block_bytes[layer] for layer in layers)
                 if len(layers) == 1:
                     if not self.one_sided:
                         self.conn.send(FrameType.PUT, wire.encode_put(seq, layers[0], runs))
@@ -1051,11 +1108,13 @@ class _Outbound:
 
     def signal(self, seq: SeqId, layer: int | None) -> None:
         self._check(seq)
-        ticket = 0
-        if self._bell is not None:
-            with self._put_lock:  # after the puts it follows, like them
+        ticket = puts = nbytes = 0
+        with self._put_lock:  # after the puts it follows, like them
+            if self._bell is not None:
                 ticket = self._ring(seq, layer)
-        self._control(FrameType.SIGNAL, wire.encode_signal(seq, layer, ticket))
+            if self.one_sided:
+                (puts, nbytes), self._unsignalled = self._unsignalled, [0, 0]
+        self._control(FrameType.SIGNAL, wire.encode_signal(seq, layer, ticket, puts, nbytes))
         if self.one_sided:
             self._parking.after_call(end_of_burst=layer is None)
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import metadata
 
@@ -55,18 +57,18 @@ def specs() -> dict[str, BackendSpec]:
 
 
 def get_spec(name: str) -> BackendSpec:
-    """The spec for ``name``; raises UnknownBackend naming what is installed and how to get the rest."""
+    """The spec for ``name`` (test-only backends included); raises UnknownBackend naming the installed
+    backends and how to get the missing one."""
     all_specs = _specs()
     if name in all_specs:
         return all_specs[name]
-    installed = ", ".join(sorted(all_specs)) or "none"
+    installed = ", ".join(sorted(n for n, s in all_specs.items() if not s.test_only)) or "none"
     hint = KNOWN_BACKENDS.get(name)
-    msg = f"KV_TRANSPORT={name}: no such backend is installed (installed: {installed})."
+    msg = f"backend {name!r} is not installed (installed: {installed})"
     if hint:
-        msg += f" To install it: {hint}"
-    else:
-        msg += " Known backends: " + "; ".join(f"{k}: {v}" for k, v in KNOWN_BACKENDS.items())
-    raise UnknownBackend(msg)
+        raise UnknownBackend(msg, fix=f"to install it: {hint}")
+    close = difflib.get_close_matches(name, [*all_specs, *KNOWN_BACKENDS], n=1)
+    raise UnknownBackend(msg + (f"; did you mean {close[0]!r}?" if close else ""))
 
 
 @functools.cache
@@ -78,11 +80,14 @@ def probe(name: str) -> Availability:
         return Availability(False, f"probe failed: {exc}")
 
 
-def available_backends() -> list[BackendInfo]:
-    """Every registered backend (usable or not, with the reason) plus known ones that are not installed."""
+def available_backends(include_test_only: bool = False) -> list[BackendInfo]:
+    """Every registered backend (usable or not, with the reason) plus known ones that are not installed.
+    Test-only backends (``BackendSpec.test_only``, e.g. ``inproc``) only with ``include_test_only``."""
     rows = []
     all_specs = _specs()
     for name, spec in sorted(all_specs.items()):
+        if spec.test_only and not include_test_only:
+            continue
         av = probe(name)
         rows.append(BackendInfo(name, True, av.ok, av.reason, spec.priority, spec.install_hint))
     for name, hint in KNOWN_BACKENDS.items():
@@ -100,17 +105,31 @@ def choose(name: str, memory_kind: str) -> BackendSpec:
             raise BackendUnavailable(f"backend {name!r} cannot run here: {av.reason}")
         if memory_kind not in spec.memory_kinds:
             raise BackendUnavailable(
-                f"backend {name!r} cannot move {memory_kind} memory (it supports {sorted(spec.memory_kinds)}); "
-                "pick another with KV_TRANSPORT"
+                f"backend {name!r} cannot move {memory_kind} memory (it supports {sorted(spec.memory_kinds)})",
+                fix="pick another with --backend, backend= or KV_TRANSPORT (`kvtransport backends` lists them)",
             )
         return spec
-    candidates = [
-        s for n, s in _specs().items() if s.auto_select and memory_kind in s.memory_kinds and probe(n).ok
-    ]
-    if not candidates:
-        rows = "; ".join(str(r) for r in available_backends())
-        raise BackendUnavailable(f"no usable backend for {memory_kind} memory. Backends: {rows}")
-    return max(candidates, key=lambda s: (s.priority, s.name))
+    candidates = sorted((s for s in _specs().values()
+                         if s.auto_select and not s.test_only and memory_kind in s.memory_kinds),
+                        key=lambda s: (s.priority, s.name), reverse=True)
+    for spec in candidates:  # best first; probing stops at the first usable one (a probe may import torch)
+        if probe(spec.name).ok:
+            return spec
+    rows = "; ".join(str(r) for r in available_backends())
+    raise BackendUnavailable(f"no usable backend for {memory_kind} memory. Backends: {rows}")
+
+
+def check_options(spec: BackendSpec, names: Iterable[str]) -> None:
+    """Refuse keyword options of ``open()`` that are neither core options nor declared by ``spec`` (see
+    ``BackendSpec.options``), naming the closest valid one. Undeclared (None): the backend checks them."""
+    from .config import CORE_OPTIONS, unknown_option
+
+    if spec.options is None:
+        return
+    for name in sorted(names):
+        if name not in spec.options:
+            raise unknown_option(name, (*CORE_OPTIONS, "backend", "ifname", *spec.options),
+                                 f"kvtransport.open() with backend {spec.name}")
 
 
 class _BrokenSpec(BackendSpec):

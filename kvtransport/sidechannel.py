@@ -101,6 +101,15 @@ class FramedSocket:
                 if self._closed:  # close() left the descriptor to us (see there)
                     self.sock.close()
 
+    def readable(self, timeout: float) -> bool:
+        """Whether a byte is buffered or arrives within ``timeout`` seconds (then ``recv`` will not wait long)."""
+        if self._end > self._start:
+            return True
+        try:
+            return bool(self._poller.poll(max(0, int(timeout * 1000))))
+        except OSError:
+            return True  # the next recv reports the broken socket
+
     def recv(self, deadline: float | None = None) -> tuple[FrameType, bytes]:
         """Read one frame. ``deadline`` (monotonic) bounds the wait; None waits until data or close."""
         header = self._take(FRAME_HEADER.size, deadline)

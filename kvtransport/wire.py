@@ -15,7 +15,8 @@ Frame types and payloads:
     WELCOME    server->client  JSON {"reply": {...}}
     REFUSE     server->client  JSON {"error": class name, "message": text}
     PUT        client->server  seq | u32 layer | u32 nruns | nruns x (i64 src, i64 dst, i64 count)
-    SIGNAL     client->server  seq | i32 layer (-1: whole sequence)
+    SIGNAL     client->server  seq | i32 layer (-1: whole sequence) [| u64 doorbell ticket
+                                 [| u32 puts | u64 bytes issued on a one-sided link since its last SIGNAL]]
     NACK       server->client  seq | JSON {"error": class name, "message": text}
     ABORT      server->client  seq | u64 token   (receiver aborts: stop writing, flush, then ABORT_ACK)
     ABORT_ACK  client->server  seq | u64 token   (no write for seq can land after this)
@@ -237,9 +238,16 @@ def decode_checksum(payload: bytes) -> tuple[SeqId, int, int, list[BlockRun]]:
     return seq, layer, crc, runs
 
 
-def encode_signal(seq: SeqId, layer: int | None, ticket: int = 0) -> bytes:
-    """SIGNAL payload; ``ticket`` (> 0) when the signal was also announced on the link's doorbell."""
+_SIGNAL_COUNTS = struct.Struct("!QIQ")  # ticket, puts, bytes
+
+
+def encode_signal(seq: SeqId, layer: int | None, ticket: int = 0, puts: int = 0, nbytes: int = 0) -> bytes:
+    """SIGNAL payload; ``ticket`` (> 0) when the signal was also announced on the link's doorbell; ``puts`` and
+    ``nbytes``: what a one-sided link issued since its previous SIGNAL (the receiver counts them, since it
+    sees no PUT frames)."""
     body = _encode_seq(seq) + struct.pack("!i", -1 if layer is None else layer)
+    if puts or nbytes:
+        return body + _SIGNAL_COUNTS.pack(ticket, puts, nbytes)
     return body + struct.pack("!Q", ticket) if ticket else body
 
 
@@ -250,14 +258,24 @@ def decode_signal(payload: bytes) -> tuple[SeqId, int | None]:
 
 def decode_signal_ticket(payload: bytes) -> tuple[SeqId, int | None, int]:
     """(sequence, layer or None, doorbell ticket or 0)."""
+    seq, layer, ticket, _, _ = decode_signal_full(payload)
+    return seq, layer, ticket
+
+
+def decode_signal_full(payload: bytes) -> tuple[SeqId, int | None, int, int, int]:
+    """(sequence, layer or None, doorbell ticket or 0, puts, bytes) of a SIGNAL payload."""
     seq, off = _decode_seq(payload, 0)
-    if len(payload) not in (off + 4, off + 12):
+    if len(payload) not in (off + 4, off + 12, off + 4 + _SIGNAL_COUNTS.size):
         raise ProtocolError("SIGNAL frame has the wrong length")
     (layer,) = struct.unpack_from("!i", payload, off)
     if layer < -1:
         raise ProtocolError(f"SIGNAL frame has invalid layer {layer}")
-    ticket = struct.unpack_from("!Q", payload, off + 4)[0] if len(payload) == off + 12 else 0
-    return seq, (None if layer == -1 else layer), ticket
+    ticket = puts = nbytes = 0
+    if len(payload) == off + 12:
+        (ticket,) = struct.unpack_from("!Q", payload, off + 4)
+    elif len(payload) > off + 12:
+        ticket, puts, nbytes = _SIGNAL_COUNTS.unpack_from(payload, off + 4)
+    return seq, (None if layer == -1 else layer), ticket, puts, nbytes
 
 
 def encode_abort(seq: SeqId, token: int) -> bytes:

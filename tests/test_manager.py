@@ -185,11 +185,13 @@ def test_slots_exhausted_reported_to_both_sides():
 
 def test_configuration_errors_name_the_fix(monkeypatch):
     layout = HostCache(SPEC).layout
-    with pytest.raises(kt.UnknownBackend, match=r"installed: .*inproc"):
+    with pytest.raises(kt.UnknownBackend, match=r"^backend 'nope' is not installed \(installed: ") as info:
         kt.open(layout, backend="nope")
+    assert "kvtransport backends" in info.value.fix
     if "mscclpp" not in kt.registry.specs():
-        with pytest.raises(kt.UnknownBackend, match=r"MSCCL\+\+ built from source; use ucx"):
+        with pytest.raises(kt.UnknownBackend) as info:
             kt.open(layout, backend="mscclpp")
+        assert "build MSCCL++ from upstream source" in info.value.fix
     with pytest.raises(kt.InterfaceNotFound, match=r"NET_IFNAME=eth9 not found; interfaces: .*lo"):
         kt.open(layout, backend="inproc", ifname="eth9")
     monkeypatch.setenv("NET_IFNAME", "eth9")
@@ -370,6 +372,40 @@ def test_a_receiver_failing_after_welcome_reports_its_reason_to_the_sender(pair,
             break
         assert time.monotonic() < deadline, "the sender never learned that the receiver refused the link"
         time.sleep(0.05)
+
+
+def test_a_receiver_refusal_ends_a_sender_blocked_in_link_set_up_at_once(pair, monkeypatch):
+    """A backend's link set-up may block until its deadline (a rendezvous whose other half will never come).
+    When the receiver's half fails it sends REFUSE; the sender's connect ends at once with that reason instead
+    of waiting out its timeout, and its blocked set-up is abandoned (closed when it finally returns)."""
+    from kvtransport.testing import inproc
+
+    s, r, _, _ = pair
+    released = threading.Event()
+    closed = []
+
+    class FailingAnswer(inproc._Answer):
+        def complete(self, timeout):
+            raise kt.TransferError("the receiver's rendezvous half failed: bad port")
+
+    class BlockingDialer(inproc._Dialer):
+        def complete(self, reply, timeout):
+            released.wait(timeout)  # a rendezvous nobody joins: blocks (GIL released) until its deadline
+            link = super().complete(reply, timeout)
+            link.close = lambda: closed.append(True)
+            return link
+
+    monkeypatch.setattr(inproc, "_Answer", FailingAnswer)
+    monkeypatch.setattr(inproc, "_Dialer", BlockingDialer)
+    t0 = time.monotonic()
+    with pytest.raises(kt.TransferError, match="rendezvous half failed: bad port"):
+        s.connect(r.metadata(), timeout=20)
+    assert time.monotonic() - t0 < 5  # not the 20 s timeout
+    released.set()
+    deadline = time.monotonic() + 5
+    while not closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert closed == [True]  # the abandoned link was closed, not leaked
 
 
 def test_side_channel_sockets_probe_a_silent_peer_within_bounds():

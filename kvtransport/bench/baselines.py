@@ -1,10 +1,13 @@
 """Baselines measured in the same run: the ceiling, raw torch.distributed send/recv, NIXL; and the
 per-layer compute time of the overlap workload.
 
-* Ceiling: one contiguous copy of the same bytes in one process: ``memcpy`` (``numpy.copyto``) on CPU,
-  GPU0 -> GPU1 ``copy_`` timed with CUDA events on CUDA (as ``kvtransport.demo.copy_baseline``).
+* Ceiling: a contiguous copy of the same bytes in one process: the best of ``memcpy`` in one thread and in
+  several (kvtransport.bench.ceiling) on CPU, GPU0 -> GPU1 ``copy_`` timed with CUDA events on CUDA (the
+  demo's CUDA ceiling too).
 * Raw ``torch.distributed``: a 2-rank process group (gloo for host memory, NCCL for CUDA) in two
   processes, one ``send`` of the bytes (messages of at most 256 MiB), timed with the roles' protocol.
+* Raw TCP stream (``bench --netns``): one TCP connection between the two hosts, the same bytes per request
+  with ``sendall`` into one ``recv_into`` buffer: the link's own figure for the TCP backends.
 * NIXL (``nixl`` wheel, UCX backend), when importable: prepared descriptor lists over the same layouts,
   one WRITE with a notification per request, timed with the same protocol.
 """
@@ -49,7 +52,8 @@ class Ceiling:
         self.cap = cap
         self.samples = samples
         self.cache: dict[int, dict[str, Any]] = {}
-        self.method = "memcpy (numpy.copyto, 1 thread)" if device == "cpu" else "cuda:0 -> cuda:1 copy_ (CUDA events)"
+        self.method = ("memcpy (best of 1 and several threads)" if device == "cpu"
+                       else "cuda:0 -> cuda:1 copy_ (CUDA events)")
 
     def measure(self, nbytes: int) -> dict[str, Any]:
         """``{"gbps", "seconds", "measured_at", "method"}`` for a copy of ``nbytes``."""
@@ -68,16 +72,22 @@ class Ceiling:
     def _host(self, n: int, inner: int) -> float:
         import numpy as np
 
+        from .ceiling import CopyCeiling
+
         a = np.full(n, FILL, dtype=np.uint8)
         b = np.zeros_like(a)
         np.copyto(b, a)
+        ceiling = CopyCeiling(n, int(b.ctypes.data), int(a.ctypes.data))
         ts = []
         for _ in range(self.samples):
+            if inner == 1:
+                ceiling.sample()
+                continue
             t0 = time.perf_counter()
             for _ in range(inner):
                 np.copyto(b, a)
             ts.append((time.perf_counter() - t0) / inner)
-        return min(ts)
+        return min(ts) if ts else n / ceiling.best()[1] / 1e9
 
     def _cuda(self, n: int, inner: int) -> float:
         torch = torch_module()
@@ -103,7 +113,9 @@ class Ceiling:
 # ====================================================================== per-layer compute
 def layer_compute_seconds(hidden: int, tp: int, tokens: int, device: str, cpu_max_tokens: int = 512) -> tuple[float, str]:
     """Time of ``[tokens, hidden] @ [hidden, hidden/tp]`` in bf16 on ``device`` (best of 3 after a warm-up:
-    other work on a shared machine only ever slows it down).
+    other work on a shared machine only ever slows it down). On CPU in float32: torch's CPU bf16 matmul
+    without AMX/AVX512-BF16 is a scalar fallback (29 s for [128, 4096] @ [4096, 4096] on the 2-core EPYC VM,
+    0.23 s in float32), which made every overlap case exceed the budget and skip.
 
     On CPU the matmul is measured at ``min(tokens, cpu_max_tokens)`` rows and scaled linearly to
     ``tokens`` (the note says so). Returns (seconds, how it was obtained)."""
@@ -111,7 +123,7 @@ def layer_compute_seconds(hidden: int, tp: int, tokens: int, device: str, cpu_ma
     n = max(1, hidden // tp)
     rows = tokens if device != "cpu" else min(tokens, cpu_max_tokens)
     dev = "cuda:0" if device != "cpu" else "cpu"
-    dtype = torch.bfloat16
+    dtype = torch.bfloat16 if device != "cpu" else torch.float32
     a = torch.randn(rows, hidden, dtype=dtype, device=dev)
     w = torch.randn(hidden, n, dtype=dtype, device=dev)
     o = torch.empty(rows, n, dtype=dtype, device=dev)
@@ -130,7 +142,7 @@ def layer_compute_seconds(hidden: int, tp: int, tokens: int, device: str, cpu_ma
             e1.synchronize()
             ts.append(e0.elapsed_time(e1) / 1e3)
     secs = float(min(ts)) * tokens / rows
-    shape = f"bf16 [{tokens}, {hidden}] @ [{hidden}, {n}] on {dev}"
+    shape = f"{'bf16' if device != 'cpu' else 'fp32'} [{tokens}, {hidden}] @ [{hidden}, {n}] on {dev}"
     note = shape if rows == tokens else f"{shape}, measured at {rows} rows and scaled x{tokens / rows:g}"
     return secs, note
 
@@ -143,12 +155,15 @@ def _raw_group(link: Any, cfg: dict[str, Any], rank: int) -> Any:
     dist = torch.distributed
     kind = "gloo" if cfg["send_device"] == "cpu" else "nccl"
     timeout = datetime.timedelta(seconds=cfg["timeout"])
+    address = _net_address()
+    if os.environ.get("NET_IFNAME") and kind == "gloo":  # between hosts (bench --netns): gloo on that interface
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NET_IFNAME"]
     if rank == 1:  # receiver hosts the store
-        store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timeout)
-        link.publish(str(store.port).encode())
+        store = dist.TCPStore(address, 0, 2, is_master=True, wait_for_workers=False, timeout=timeout)
+        link.publish(f"{address} {store.port}".encode())
     else:
-        port = int(link.peer_metadata().decode())
-        store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timeout)
+        host, port = link.peer_metadata().decode().split()
+        store = dist.TCPStore(host, int(port), 2, is_master=False, timeout=timeout)
     dev = cfg["recv_device"] if rank == 1 else cfg["send_device"]
     if kind == "nccl":
         torch.cuda.set_device(dev)
@@ -205,6 +220,80 @@ def raw_sender(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     link.barrier("end")
     dist.destroy_process_group()
     return done({})
+
+
+def _net_address() -> str:
+    """NET_IFNAME's IPv4 address (bench --netns sets NET_IFNAME in each role's host), else loopback."""
+    from ..config import resolve
+
+    return resolve().address
+
+
+# ====================================================================== raw TCP stream
+TCP_RECV_CHUNK = 4 << 20
+"""Largest ``recv_into`` of the TCP baseline's receiver (the kernel returns what it has, usually less)."""
+
+
+def tcp_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The raw TCP stream: one connection over NET_IFNAME's interface, each repetition ``size`` bytes sent
+    with ``sendall`` and read with ``recv_into`` straight into one buffer (no framing, no gather/scatter):
+    what the link and the kernel can do for these bytes, the yardstick of the TCP backends."""
+    import socket
+
+    import numpy as np
+
+    server = socket.create_server((_net_address(), 0))
+    link.publish(f"{server.getsockname()[0]} {server.getsockname()[1]}".encode())
+    server.settimeout(cfg["timeout"])
+    conn, _ = server.accept()
+    server.close()
+    conn.settimeout(cfg["timeout"])
+    buf = np.zeros(max(cfg["sizes"]), dtype=np.uint8)
+    view = buf.data  # a memoryview of the array
+    rows = []
+    with conn:
+        for i, (size, reps) in enumerate(zip(cfg["sizes"], cfg["reps"], strict=True)):
+            buf[:16] = 0
+            buf[size - 16 : size] = 0
+            t1s = []
+            for r in range(1 + reps):
+                link.barrier(f"tcp{i}-{r}")
+                got = 0
+                while got < size:
+                    n = conn.recv_into(view[got : min(size, got + TCP_RECV_CHUNK)])
+                    if not n:
+                        raise ConnectionError(f"sender closed after {got} of {size} bytes")
+                    got += n
+                t1s.append(now())
+            d = [b - a for a, b in zip(link.recv_value(), t1s, strict=True)][1:]
+            st = summarize(d)
+            ok = bool((buf[:16] == FILL).all() and (buf[size - 16 : size] == FILL).all())
+            rows.append({"case": {"size": size}, "bytes": size, "samples_s": d, **st, "gbps": gbps(size, st["median_s"]),
+                         **busy(), "verified": ok})
+            progress(cfg, i, f"{cfg['label']} {_fmt(size)}: {rows[-1]['gbps']:.3g} GB/s")
+        link.barrier("end")
+    return done({"rows": rows})
+
+
+def tcp_sender(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    import socket
+
+    import numpy as np
+
+    host, port = link.peer_metadata().decode().split()
+    buf = np.full(max(cfg["sizes"]), FILL, dtype=np.uint8)
+    view = buf.data  # a memoryview of the array
+    with socket.create_connection((host, int(port)), timeout=cfg["timeout"]) as conn:
+        for i, (size, reps) in enumerate(zip(cfg["sizes"], cfg["reps"], strict=True)):
+            t0s = []
+            for r in range(1 + reps):
+                link.barrier(f"tcp{i}-{r}")
+                t0s.append(now())
+                conn.sendall(view[:size])
+            link.send_value(t0s)
+        link.barrier("end")
+        path = f"tcp {conn.getsockname()[0]} -> {host}"
+    return done({"path": path})
 
 
 def _as_torch(a: Any) -> Any:

@@ -74,16 +74,30 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
 
 
+def mmss(seconds: float) -> str:
+    """``mm:ss`` of a duration (minutes may exceed 59)."""
+    seconds = max(0, int(seconds))
+    return f"{seconds // 60:02d}:{seconds % 60:02d}"
+
+
+def eta(t0: float, done: int, total: int) -> str:
+    """`` ~mm:ss left``, extrapolated from ``done`` of ``total`` rows since ``t0`` (wall clock); empty before
+    the first row, after the last, or without a total. Rows differ in cost: a guide, not a promise."""
+    if done <= 0 or total <= 0 or done >= total:
+        return ""
+    return f" ~{mmss((time.time() - t0) * (total - done) / done)} left"
+
+
 def progress(cfg: dict[str, Any], index: int, text: str) -> None:
-    """One progress line ``[mm:ss k/N] text`` on stdout, flushed (works without a TTY)."""
+    """One progress line ``[mm:ss k/N ~mm:ss left] text`` on stdout, flushed (works without a TTY)."""
     p = cfg.get("progress") or {}
     if p.get("quiet"):
         return
-    elapsed = time.time() - float(p.get("t0", time.time()))
+    t0 = float(p.get("t0", time.time()))
     k = int(p.get("offset", 0)) + index + 1
     total = int(p.get("total", 0))
     count = f"{k:>3}/{total}" if total else f"{k:>3}"
-    print(f"[{int(elapsed) // 60:02d}:{int(elapsed) % 60:02d} {count}] {text}", flush=True, file=sys.stdout)
+    print(f"[{mmss(time.time() - t0)} {count}{eta(t0, k, total)}] {text}", flush=True, file=sys.stdout)
 
 
 def alloc(nbytes: int, device: str, fill: int | None) -> Any:

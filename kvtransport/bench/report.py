@@ -256,18 +256,67 @@ def skipped_table(result: dict[str, Any]) -> Table | None:
     return Table("Skipped / failed", ["workload", "what", "why"], out)
 
 
+TCP_STREAM = "tcp stream"
+"""The raw TCP stream baseline of ``bench --netns`` (runner.TCP_STREAM)."""
+
+
+def netns_table(result: dict[str, Any]) -> Table | None:
+    """``bench --netns``: each KV request and sweep size against the raw TCP stream of the same bytes over the
+    same veth, measured in the same run (the figure the TCP backends are judged by)."""
+    rows = [r for r in result["rows"] if r.get("workload") in ("kv", "sweep") and r.get("gbps")]
+    tcp = {r["bytes"]: r for r in rows if r["system"] == TCP_STREAM}
+    if not tcp:
+        return None
+    systems = [s for s in _systems(rows) if s != TCP_STREAM]
+    out = []
+    for r in sorted((r for r in rows if r["system"] == TCP_STREAM and r["workload"] == "kv"),
+                    key=lambda r: (r["case"]["preset"], r["case"]["tokens"], str(r["case"]["ids"]))):
+        key = (r["case"]["preset"], r["case"]["tokens"], r["case"]["ids"])
+        line = [f"kv {key[0]} {fmt_tokens(key[1])} {key[2]}", fmt_bytes(r["bytes"]), f"{r['gbps']:.3g}{_busy(r)}"]
+        for s in systems:
+            mine = _kv_row(rows, s, key, True if s.startswith("kvtransport/") else None)
+            line.append(f"{mine['gbps']:.3g} ({100 * mine['gbps'] / r['gbps']:.0f}%){_busy(mine)}" if mine else "-")
+        out.append(line)
+    hosts = result.get("netns") or {}
+    where = ", ".join(f"{role} {h.get('ifname')} {h.get('address')}" for role, h in sorted(hosts.items()))
+    return Table("Between two hosts (network namespaces, one veth pair): GB/s (% of the raw TCP stream of the "
+                 "same bytes)", ["request", "bytes", "tcp stream GB/s", *systems], out,
+                 f"{where}. kvtransport rows with coalescing on; the TCP stream and raw send/recv move the bytes "
+                 "as one buffer (no gather/scatter).")
+
+
 def tables(result: dict[str, Any]) -> list[Table]:
     """Every table of a result, summary first."""
-    found = [summary_table(result), sweep_table(result), kv_table(result), overlap_table(result),
+    found = [summary_table(result), netns_table(result), sweep_table(result), kv_table(result), overlap_table(result),
              latency_table(result), skipped_table(result)]
     return [t for t in found if t is not None]
 
 
 # ====================================================================== plots
+def spread(row: dict[str, Any], scale: float, key: str = "samples_s") -> tuple[float, float]:
+    """(low, high) of ``scale / t`` over the row's timed samples ``t`` (e.g. ``scale`` = bytes: GB/s x 1e9):
+    the whiskers of a rate. Falls back to the row's ``min_s``/``max_s``; NaNs when it has neither."""
+    times = [float(t) for t in (row.get(key) or []) if t and float(t) > 0]
+    if not times and row.get("min_s") and row.get("max_s"):
+        times = [float(row["min_s"]), float(row["max_s"])]
+    if not times:
+        return float("nan"), float("nan")
+    return scale / max(times), scale / min(times)
+
+
+def _whiskers(centers: Sequence[float], bounds: Sequence[tuple[float, float]]) -> list[list[float]]:
+    """matplotlib's ``yerr`` (distances below and above each center) from (low, high) bounds; 0 where unknown."""
+    below = [c - lo if math.isfinite(lo) else 0.0 for c, (lo, _) in zip(centers, bounds, strict=True)]
+    above = [hi - c if math.isfinite(hi) else 0.0 for c, (_, hi) in zip(centers, bounds, strict=True)]
+    return [[max(0.0, b) for b in below], [max(0.0, a) for a in above]]
+
+
 def plots(result: dict[str, Any], out: str) -> list[str]:
     """Write PNGs (bandwidth vs size; exposed latency vs prompt length; KV requests); returns their paths.
 
-    Raises ImportError when matplotlib is not installed."""
+    Every point or bar is the median of its repetitions with whiskers from the fastest to the slowest one;
+    panels that are compared share their y axis; legends sit outside the data. Raises ImportError when
+    matplotlib is not installed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -278,12 +327,15 @@ def plots(result: dict[str, Any], out: str) -> list[str]:
     rows = result["rows"]
     when = result.get("machine", {}).get("date", "")[:10]
     dev = result.get("machine", {}).get("device", "")
+    whisker = "whiskers: fastest..slowest"
     sw = [r for r in rows if r.get("workload") == "sweep" and r.get("gbps")]
     if sw:
-        fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+        fig, ax = plt.subplots(figsize=(9, 5), dpi=100, layout="constrained")
         for s in _systems(sw):
-            bw = sorted((r["bytes"], r["gbps"]) for r in sw if r["system"] == s)
-            ax.plot([p[0] for p in bw], [p[1] for p in bw], marker="o", ms=3, label=s)
+            mine = sorted((r for r in sw if r["system"] == s), key=lambda r: r["bytes"])
+            xs, ys = [r["bytes"] for r in mine], [r["gbps"] for r in mine]
+            bounds = [(lo / 1e9, hi / 1e9) for lo, hi in (spread(r, r["bytes"]) for r in mine)]
+            ax.errorbar(xs, ys, yerr=_whiskers(ys, bounds), marker="o", ms=3, capsize=2, elinewidth=0.8, label=s)
         ceil = sorted((int(k), v["gbps"]) for k, v in result.get("ceiling", {}).get("by_size", {}).items()
                       if int(k) in {r["bytes"] for r in sw})
         if ceil:
@@ -295,26 +347,28 @@ def plots(result: dict[str, Any], out: str) -> list[str]:
         ax.set_xticks(ticks, [fmt_bytes(t).replace(" ", "") for t in ticks], rotation=45, fontsize=7)
         ax.yaxis.set_major_formatter(FuncFormatter(_tick))
         ax.set_xlabel("message size (one contiguous put)")
-        ax.set_ylabel("GB/s")
+        ax.set_ylabel("GB/s (median; " + whisker + ")")
         ax.set_title(f"Bandwidth vs message size ({dev}, {when})")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
+        fig.legend(loc="outside right upper", fontsize=8)
         files.append(_save(fig, out, "bandwidth_vs_size.png"))
         plt.close(fig)
     ov = [r for r in rows if r.get("workload") == "overlap"]
     if ov:
         systems = _systems(ov)
-        fig, axes = plt.subplots(1, len(systems), figsize=(6 * len(systems), 4.5), dpi=100, squeeze=False)
+        fig, axes = plt.subplots(1, len(systems), figsize=(5 * len(systems) + 2.5, 4.5), dpi=100, squeeze=False,
+                                 sharey=True, layout="constrained")
         for ax, s in zip(axes[0], systems, strict=True):
             mine = [r for r in ov if r["system"] == s]
             for i, preset in enumerate(sorted({r["case"]["preset"] for r in mine})):
-                pts: list[tuple[int, float, float]] = sorted(
-                    (r["case"]["tokens"], r["exposed_s"] * 1e3, r["serialized_s"] * 1e3)
-                    for r in mine if r["case"]["preset"] == preset)
-                color = f"C{i}"
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", color=color, ms=4, label=f"{preset} exposed")
-                ax.plot([p[0] for p in pts], [p[2] for p in pts], "--x", color=color, ms=4, label=f"{preset} serialized")
+                pts = sorted((r for r in mine if r["case"]["preset"] == preset), key=lambda r: r["case"]["tokens"])
+                xs = [r["case"]["tokens"] for r in pts]
+                for key, samples, style in (("exposed", "samples_exposed_s", "-o"),
+                                            ("serialized", "samples_serialized_s", "--x")):
+                    ys = [r[f"{key}_s"] * 1e3 for r in pts]
+                    bounds = [_ms_bounds(r.get(samples)) for r in pts]
+                    ax.errorbar(xs, ys, yerr=_whiskers(ys, bounds), fmt=style, color=f"C{i}", ms=4, capsize=2,
+                                elinewidth=0.8, label=f"{preset} {key}" if ax is axes[0][0] else None)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ticks = sorted({r["case"]["tokens"] for r in mine})
@@ -323,12 +377,12 @@ def plots(result: dict[str, Any], out: str) -> list[str]:
             ax.yaxis.set_major_formatter(FuncFormatter(_tick))
             ax.yaxis.set_minor_formatter(FuncFormatter(_minor_tick))
             ax.set_xlabel("prompt tokens")
-            ax.set_ylabel("ms")
-            ax.set_title(f"{s}: exposed vs serialized transfer", fontsize=10)
+            ax.set_title(f"{s}", fontsize=10)
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=7)
-        fig.suptitle(f"Layer-wise push: transfer exposed after the last layer ({dev}, {when})", fontsize=11)
-        fig.tight_layout()
+        axes[0][0].set_ylabel("ms (median; " + whisker + ")")
+        fig.legend(loc="outside right upper", fontsize=7)
+        fig.suptitle(f"Layer-wise push: transfer exposed after the last layer vs serialized ({dev}, {when})",
+                     fontsize=11)
         files.append(_save(fig, out, "exposed_vs_prompt.png"))
         plt.close(fig)
     kv = [r for r in rows if r.get("workload") == "kv" and r.get("pct_of_ceiling") is not None]
@@ -336,7 +390,8 @@ def plots(result: dict[str, Any], out: str) -> list[str]:
         presets = sorted({r["case"]["preset"] for r in kv})
         ncol = 2 if len(presets) > 1 else 1
         nrow = -(-len(presets) // ncol)
-        fig, axes = plt.subplots(nrow, ncol, figsize=(7 * ncol, 3.6 * nrow), dpi=100, squeeze=False)
+        fig, axes = plt.subplots(nrow, ncol, figsize=(7 * ncol, 3.6 * nrow + 1.0), dpi=100, squeeze=False,
+                                 sharey=True, layout="constrained")
         series: list[tuple[str, bool | None]] = []
         for s in _systems(kv):
             series += [(s, True), (s, False)] if s.startswith("kvtransport/") else [(s, None)]
@@ -347,29 +402,38 @@ def plots(result: dict[str, Any], out: str) -> list[str]:
             colors.append(palette[(2 * hue + (1 if coal is False else 0)) % 20])
             hue += 0 if coal is True else 1
         width = 0.8 / max(1, len(series))
-        for ax, preset in zip(axes.flat, presets, strict=False):
+        for n, (ax, preset) in enumerate(zip(axes.flat, presets, strict=False)):
             keys = sorted({(r["case"]["tokens"], r["case"]["ids"]) for r in kv if r["case"]["preset"] == preset},
                           key=lambda k: (k[0], ["contiguous", "runs8", "random"].index(k[1])))
             for j, (s, coal) in enumerate(series):
-                vals = []
+                vals, bounds = [], []
                 for t, ids in keys:
                     r = _kv_row(kv, s, (preset, t, ids), coal)
-                    vals.append(r["pct_of_ceiling"] if r else 0.0)
+                    pct = r["pct_of_ceiling"] if r else 0.0
+                    vals.append(pct)
+                    # a sample's % of the ceiling scales as 1 / its time: pct x median / t
+                    bounds.append(spread(r, pct * r["median_s"]) if r and r.get("median_s") else (pct, pct))
                 label = s + ("" if coal is None else " on" if coal else " off")
-                ax.bar([i + (j - (len(series) - 1) / 2) * width for i in range(len(keys))], vals, width, label=label,
-                       color=colors[j])
+                ax.bar([i + (j - (len(series) - 1) / 2) * width for i in range(len(keys))], vals, width,
+                       label=label if n == 0 else None, color=colors[j], yerr=_whiskers(vals, bounds),
+                       error_kw={"elinewidth": 0.8, "capsize": 1.5})
             ax.set_xticks(range(len(keys)), [f"{fmt_tokens(t)}\n{ids}" for t, ids in keys], fontsize=7)
-            ax.set_ylabel("% of ceiling")
+            ax.set_ylabel("% of ceiling (median; " + whisker + ")", fontsize=8)
             ax.set_title(preset, fontsize=10)
             ax.grid(True, axis="y", alpha=0.3)
         for ax in list(axes.flat)[len(presets):]:
             ax.axis("off")
-        axes.flat[0].legend(fontsize=7)
+        fig.legend(loc="outside lower center", ncol=min(4, len(series)), fontsize=7)
         fig.suptitle(f"KV requests: % of the contiguous-copy ceiling ({dev}, {when})", fontsize=11)
-        fig.tight_layout()
         files.append(_save(fig, out, "kv_requests.png"))
         plt.close(fig)
     return files
+
+
+def _ms_bounds(samples: Any) -> tuple[float, float]:
+    """(fastest, slowest) of a list of seconds, in ms; NaNs when empty."""
+    xs = [float(x) for x in (samples or []) if x is not None]
+    return (min(xs) * 1e3, max(xs) * 1e3) if xs else (float("nan"), float("nan"))
 
 
 def _tick(v: float, _: Any) -> str:

@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from .common import eta, mmss
 from .plan import (
     ID_PATTERNS,
     MODEL_SHAPES,
@@ -34,45 +35,74 @@ from .plan import (
     sweep_reps,
     sweep_sizes,
 )
+from .report import TCP_STREAM
 
 SMOKE_PRESETS = ("llama-3.1-8b", "deepseek-v3-mla")
 """--smoke: one MHA and the MLA preset, 128-token requests, sweep 4 KiB .. 1 MiB, 20 latency sequences."""
 
 
-def parse_args(argv: list[str] | None) -> Options:
-    """Command line -> Options (``--smoke`` shrinks every workload)."""
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvtransport bench`` argument parser (options in groups, each with its help)."""
     ap = argparse.ArgumentParser(prog="kvtransport bench", description="Benchmark every available kvtransport backend "
-                                 "against the link's ceiling, raw torch.distributed and NIXL, on real KV shapes.")
-    ap.add_argument("--out", default="bench-out", help="output directory (default ./bench-out)")
-    ap.add_argument("--smoke", action="store_true", help="a tiny version of every workload (CI; asserts nothing about speed)")
-    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                    help="memory the KV caches live in (auto: cuda when a GPU is visible); cuda: sender cuda:0, receiver cuda:1")
-    ap.add_argument("--backends", default=None, help="comma-separated backends (default: every available one except inproc)")
-    ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated subset of {','.join(WORKLOADS)}")
-    ap.add_argument("--presets", default=",".join(MODEL_SHAPES), help="comma-separated model presets")
-    ap.add_argument("--tokens", default="128,2k,32k", help="comma-separated prompt lengths")
-    ap.add_argument("--patterns", default=",".join(ID_PATTERNS), help=f"block-id patterns: {','.join(ID_PATTERNS)}")
-    ap.add_argument("--min-size", default="4K", help="smallest sweep message (default 4K)")
-    ap.add_argument("--max-size", default="1G", help="largest sweep message (default 1G; capped by memory)")
-    ap.add_argument("--reps-scale", type=float, default=1.0, help="multiply the default repetition counts")
-    ap.add_argument("--layer-compute-ms", type=float, default=None,
-                    help="overlap: per-layer compute time (default: measured matmul [tokens, hidden] @ [hidden, hidden/tp])")
-    ap.add_argument("--overlap-budget-s", type=float, default=None,
-                    help="overlap: skip cases whose emulated compute exceeds this many seconds (default 60 on CPU, none on CUDA)")
-    ap.add_argument("--overlap-reps", type=int, default=2, help="overlap: timed layer-wise prefills per case")
-    ap.add_argument("--latency-preset", default="llama-3.1-8b")
-    ap.add_argument("--latency-seqs", type=int, default=200, help="latency: one-block sequences")
-    ap.add_argument("--mem-fraction", type=float, default=0.6, help="share of available memory the two roles may use")
-    ap.add_argument("--timeout", type=float, default=120.0, help="bound of every wait inside a role, seconds")
-    ap.add_argument("--quiet-wait-s", type=float, default=None,
-                    help="before each pair of processes, wait up to this long for the CPUs to be >= 70%% idle "
-                         "(default 120 on CPU, 0 with --smoke or on CUDA); waits are recorded in the JSON")
-    ap.add_argument("--kv-api", choices=["put_layers", "put_layer"], default="put_layers",
+                                 "against the link's ceiling, raw torch.distributed and NIXL, on real KV shapes. "
+                                 "Progress lines show elapsed time, rows done / planned and an estimate of the time left.")
+    out = ap.add_argument_group("output")
+    out.add_argument("--out", default="bench-out", help="output directory (default ./%(default)s)")
+    out.add_argument("--from-json", default=None, metavar="RESULTS_JSON",
+                     help="re-render table and plots from an earlier results.json; measure nothing")
+    what = ap.add_argument_group("what to measure")
+    what.add_argument("--smoke", action="store_true", help="a tiny version of every workload (CI; asserts nothing about speed)")
+    what.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                      help="memory the KV caches live in (auto: cuda when a GPU is visible); cuda: sender cuda:0, "
+                           "receiver cuda:1")
+    what.add_argument("--backends", default=None, metavar="NAMES",
+                      help="comma-separated backends (default: every available one)")
+    what.add_argument("--workloads", default=",".join(WORKLOADS), metavar="NAMES",
+                      help="comma-separated subset of %(default)s")
+    what.add_argument("--no-nixl", dest="nixl", action="store_false", help="skip the NIXL baseline even when installed")
+    kv = ap.add_argument_group("KV requests (kv and overlap workloads)")
+    kv.add_argument("--presets", default=",".join(MODEL_SHAPES), metavar="NAMES",
+                    help="comma-separated model presets (default %(default)s)")
+    kv.add_argument("--tokens", default="128,2k,32k", help="comma-separated prompt lengths (default %(default)s)")
+    kv.add_argument("--patterns", default=",".join(ID_PATTERNS), metavar="NAMES",
+                    help="block-id patterns (default %(default)s)")
+    kv.add_argument("--kv-api", choices=["put_layers", "put_layer"], default="put_layers",
                     help="kv requests: one put_layers call per request (default; one device launch where the "
                          "backend can) or one put_layer call per layer (the layer-wise path is the overlap workload's)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-nixl", dest="nixl", action="store_false", help="skip the NIXL baseline even when installed")
-    ap.add_argument("--from-json", default=None, help="re-render table and plots from an earlier results.json; measure nothing")
+    sweep = ap.add_argument_group("message sweep")
+    sweep.add_argument("--min-size", default="4K", help="smallest message (default %(default)s)")
+    sweep.add_argument("--max-size", default="1G", help="largest message (default %(default)s; capped by memory)")
+    overlap = ap.add_argument_group("layer-wise overlap")
+    overlap.add_argument("--layer-compute-ms", type=float, default=None,
+                         help="per-layer compute time (default: measured matmul [tokens, hidden] @ [hidden, hidden/tp])")
+    overlap.add_argument("--overlap-budget-s", type=float, default=None,
+                         help="skip cases whose emulated compute exceeds this many seconds (default 60 on CPU, "
+                              "none on CUDA)")
+    overlap.add_argument("--overlap-reps", type=int, default=2, help="timed layer-wise prefills per case (default %(default)s)")
+    latency = ap.add_argument_group("completion latency")
+    latency.add_argument("--latency-preset", default="llama-3.1-8b", help="model preset of the one-block sequences "
+                         "(default %(default)s)")
+    latency.add_argument("--latency-seqs", type=int, default=200, help="one-block sequences timed (default %(default)s)")
+    run = ap.add_argument_group("how the run behaves")
+    run.add_argument("--reps-scale", type=float, default=1.0, help="multiply the default repetition counts (default 1)")
+    run.add_argument("--mem-fraction", type=float, default=0.6,
+                     help="share of available memory the two roles may use (default %(default)s)")
+    run.add_argument("--timeout", type=float, default=120.0, help="bound of every wait inside a role, seconds "
+                     "(default %(default)s)")
+    run.add_argument("--quiet-wait-s", type=float, default=None,
+                     help="before each pair of processes, wait up to this long for the CPUs to be >= 70%% idle "
+                          "(default 120 on CPU, 0 with --smoke or on CUDA); waits are recorded in the JSON")
+    run.add_argument("--netns", action="store_true",
+                     help="run every pair between two 'hosts' on this machine: network namespaces joined by a veth "
+                          "pair (NET_IFNAME = each side's veth; needs root and iproute2), and add a raw TCP stream "
+                          "of the same bytes over the same veth as a baseline")
+    run.add_argument("--seed", type=int, default=0, help="seed of block ids and cache contents (default 0)")
+    return ap
+
+
+def parse_args(argv: list[str] | None) -> Options:
+    """Command line -> Options (``--smoke`` shrinks every workload)."""
+    ap = build_parser()
     a = ap.parse_args(argv)
     device = a.device
     if device == "auto":
@@ -88,12 +118,20 @@ def parse_args(argv: list[str] | None) -> Options:
         layer_compute_ms=a.layer_compute_ms,
         overlap_budget_s=a.overlap_budget_s if a.overlap_budget_s is not None else (60.0 if device == "cpu" else 1e9),
         overlap_reps=a.overlap_reps, latency_preset=a.latency_preset, latency_seqs=a.latency_seqs,
-        mem_fraction=a.mem_fraction, timeout=a.timeout, seed=a.seed, nixl=a.nixl,
+        mem_fraction=a.mem_fraction, timeout=a.timeout, seed=a.seed, nixl=a.nixl, netns=a.netns,
     )
     opts.extra["from_json"] = a.from_json
     opts.extra["kv_api"] = a.kv_api
     opts.extra["quiet_wait_s"] = (a.quiet_wait_s if a.quiet_wait_s is not None
                                   else 0.0 if (a.smoke or device == "cuda") else 120.0)
+    if opts.netns:
+        from ..testing.netns import unavailable_reason
+
+        why = unavailable_reason()
+        if why:
+            ap.error(f"--netns: {why}")
+        if device != "cpu":
+            ap.error("--netns moves host memory between namespaces (--device cpu)")
     for w in opts.workloads:
         if w not in WORKLOADS:
             ap.error(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
@@ -146,6 +184,7 @@ class Bench:
         else:
             self.send_device = self.recv_device = "cpu"
         self.budget, self.budget_note = memory_budget(opts)
+        self.hosts: dict[str, Any] | None = None  # --netns: role -> testing.netns.Host
 
     # ---------------------------------------------------------------- planning
     def backends(self) -> tuple[list[str], list[dict[str, Any]]]:
@@ -266,8 +305,7 @@ class Bench:
         return cfg
 
     def say(self, text: str) -> None:
-        elapsed = time.time() - self.t0
-        print(f"[{int(elapsed) // 60:02d}:{int(elapsed) % 60:02d}] {text}", flush=True)
+        print(f"[{mmss(time.time() - self.t0)}] {text}", flush=True)
 
     def pair(self, module: str, role: str, cfg: dict[str, Any], est_s: float, system: str,
              workload: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
@@ -276,9 +314,11 @@ class Bench:
 
         timeout = 120.0 + 3.0 * est_s
         waited, quiet = self.wait_quiet(f"{system} {workload}")
+        p = cfg.get("progress", {})
+        self.say(f"{system} {workload}: starting two processes{eta(self.t0, int(p.get('offset', 0)), self.total)}")
         try:
             res = run_pair(f"kvtransport.bench.{module}.{role}_receiver", f"kvtransport.bench.{module}.{role}_sender",
-                           cfg, timeout=timeout)
+                           cfg, timeout=timeout, hosts=self.hosts)
             self.rss.append({"system": system, "workload": workload, "receiver_bytes": res[0].get("peak_rss_bytes"),
                              "sender_bytes": res[1].get("peak_rss_bytes"), "waited_for_quiet_s": waited,
                              "started_quiet": quiet})
@@ -321,6 +361,22 @@ class Bench:
             self.rows.append(r)
 
     def run(self) -> dict[str, Any]:
+        """Measure everything (between two network namespaces with --netns; they are removed at the end)."""
+        if not self.opts.netns:
+            return self._run()
+        from ..testing.netns import remove_stale, two_hosts
+
+        remove_stale()
+        with two_hosts() as net:
+            self.hosts = {"receiver": net.host("a"), "sender": net.host("b")}
+            self.say(f"netns: receiver on {self.hosts['receiver'].ifname} ({self.hosts['receiver'].address}), "
+                     f"sender on {self.hosts['sender'].ifname} ({self.hosts['sender'].address}), one veth pair")
+            result = self._run()
+        result["netns"] = {role: {"netns": h.netns, "hostname": h.hostname, "ifname": h.ifname, "address": h.address}
+                           for role, h in self.hosts.items()}
+        return result
+
+    def _run(self) -> dict[str, Any]:
         from .baselines import Ceiling, nixl_version
         from .machine import describe, summary_line
 
@@ -348,7 +404,7 @@ class Bench:
                         [g for g in overlap if self.fits("overlap", system, kv_shape(g["shape"]["preset"],
                                                                                      g["shape"]["tokens"]), staged)])
         nixl_kv = [(sh, cs) for sh, cs in kv if self.fits("kv", "nixl", sh, False)] if nixl_ver else []
-        self.total = len(raw_sizes) + ((len(sizes) + sum(len(c) for _, c in nixl_kv)) if nixl_ver else 0)
+        self.total = len(raw_sizes) * (2 if o.netns else 1) + ((len(sizes) + sum(len(c) for _, c in nixl_kv)) if nixl_ver else 0)
         for pkv, pov in plans.values():
             self.total += len(sizes) + 2 * sum(len(c) for _, c in pkv) + len(pov) + (1 if "latency" in o.workloads else 0)
 
@@ -363,6 +419,8 @@ class Bench:
             self._run_backend(b, sizes, plans[b][0], plans[b][1], lat_shape)
         if raw_sizes:
             self._run_raw(raw_sizes, sizes, kv)
+        if raw_sizes and o.netns:
+            self._run_tcp(raw_sizes, sizes, kv)
         if nixl_ver and (sizes or nixl_kv):
             self._run_nixl(sizes, nixl_kv)
         elif "sweep" in o.workloads or "kv" in o.workloads:
@@ -442,17 +500,28 @@ class Bench:
                 self.add_rows(res[0]["rows"], system, backend=b)
 
     def _run_raw(self, raw_sizes: list[int], sizes: list[int], kv: list[tuple[KVShape, list[tuple[str, int]]]]) -> None:
+        kind = "gloo" if self.opts.device == "cpu" else "nccl"
+        if self._run_baseline("raw", f"torch.distributed/{kind}", f"raw {kind} send/recv", raw_sizes, sizes, kv):
+            self.paths[kind] = f"torch.distributed {kind}, {fmt_bytes(min(max(raw_sizes), 256 * MiB))} messages"
+
+    def _run_tcp(self, raw_sizes: list[int], sizes: list[int], kv: list[tuple[KVShape, list[tuple[str, int]]]]) -> None:
+        res = self._run_baseline("tcp", TCP_STREAM, "raw TCP stream", raw_sizes, sizes, kv)
+        if res:
+            self.paths["tcp"] = res[1]["path"]
+
+    def _run_baseline(self, role: str, system: str, label: str, raw_sizes: list[int], sizes: list[int],
+                      kv: list[tuple[KVShape, list[tuple[str, int]]]]) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """A baseline that moves each size as one buffer (``baselines.<role>_*``): its rows count for the sweep
+        sizes and, for every block-id pattern alike, for the KV requests of the same byte count."""
         o = self.opts
-        kind = "gloo" if o.device == "cpu" else "nccl"
-        system = f"torch.distributed/{kind}"
         kv_bytes = {s.request_bytes: s for s, _ in kv}
         reps = [sweep_reps(s, o.smoke, o.reps_scale) if s in sizes else kv_reps(s, o.smoke, o.reps_scale)
                 for s in raw_sizes]
         est = sum((r + 1) * (s / 3e8 + 0.002) for s, r in zip(raw_sizes, reps, strict=True))
-        cfg = self._cfg(f"raw {kind} send/recv", len(raw_sizes), sizes=raw_sizes, reps=reps)
-        res = self.pair("baselines", "raw", cfg, est, system, "raw")
+        cfg = self._cfg(label, len(raw_sizes), sizes=raw_sizes, reps=reps)
+        res = self.pair("baselines", role, cfg, est, system, role)
         if not res:
-            return
+            return None
         for row in res[0]["rows"]:
             size = row["bytes"]
             if size in sizes:
@@ -463,7 +532,7 @@ class Bench:
                     r = dict(row, workload="kv", case={"preset": shape.preset, "tokens": shape.tokens,
                                                        "ids": pattern, "coalesce": None})
                     self.add_rows([r], system)
-        self.paths[kind] = f"torch.distributed {kind}, {fmt_bytes(min(max(raw_sizes), 256 * MiB))} messages"
+        return res
 
     def _run_nixl(self, sizes: list[int], kv: list[tuple[KVShape, list[tuple[str, int]]]]) -> None:
         o = self.opts

@@ -165,6 +165,14 @@ def read_block(cache: HostCache | CudaCache, layer: int, block: int) -> bytes:
 
 
 def zero_block(cache: HostCache | CudaCache, block: int) -> None:
-    """Overwrite one block in every layer with zeros (what a reusing server does before handing it out)."""
+    """Overwrite one block in every layer with zeros (what a reusing server does before handing it out).
+
+    Returns once the zeros are in memory: on CUDA the writes are kernels on this process's stream, and a block
+    handed to a peer before they ran would have the peer's fresh puts wiped by them later (seen with two
+    processes sharing one GPU, whose kernels are time-sliced: earlier layers of a new sequence zeroed)."""
     for name in cache.views:
         cache.views[name][_block_index(cache, block)] = 0
+    if isinstance(cache, CudaCache):
+        import torch
+
+        torch.cuda.synchronize(cache.backing.device)

@@ -106,6 +106,8 @@ class InprocSpec(BackendSpec):
     install_hint = "built in (kvtransport.testing)"
     memory_kinds = frozenset({"cpu"})
     cross_process = False
+    test_only = True
+    options = ()
 
     def probe(self) -> Availability:
         return Availability(True, "in-process reference backend (tests only)")

@@ -131,9 +131,8 @@ def test_a_small_put_lands_inline_and_its_signal_needs_no_thread(pair, monkeypat
     assert verify_transfer(dst, src, {layer: [(3, 5), (4, 6)] for layer in range(SPEC.num_layers)}) == []
 
 
+@pytest.mark.parametrize("helper_mode", ["c"], indirect=True)  # the slicing is the same in both modes
 def test_a_put_gets_the_worker_during_a_long_flush(helper_mode):
-    if helper_mode == "python":
-        pytest.skip("same slicing in both modes")
     with big_cma_pair(fill_seed=1) as (s, _, src, dst, peer):
         link = peer._state.link
         worker = link.ep.worker
@@ -254,12 +253,11 @@ def test_wait_query_runs_the_poll_loop_in_c():
     assert 0.09 < time.monotonic() - t0 < 2
 
 
+@pytest.mark.parametrize("helper_mode", ["c"], indirect=True)  # the mailbox needs the C helper
 def test_a_signal_queued_behind_a_flush_leaves_with_it(helper_mode):
     """signal(seq) right after the last signal_layer, while the signaller waits in C for that layer's puts:
     nothing was issued in between, so the frame joins the batch in flight (written from C right after it)
     instead of waiting for the signaller to get the interpreter back."""
-    if helper_mode == "python":
-        pytest.skip("the mailbox needs the C helper")
     with big_cma_pair(fill_seed=2) as (s, r, src, dst, peer):
         st = peer._state
         ids = list(range(BIG.num_blocks))

@@ -200,3 +200,23 @@ def test_open_with_ib_requested_reports_the_missing_rdma_device(monkeypatch: pyt
         MscclppTransport(layout, resolve("mscclpp", transport="ib"))
     with pytest.raises(ConfigurationError, match="transport='tcp'"):
         MscclppTransport(layout, resolve("mscclpp", transport="tcp"))
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_reads_how_a_real_shared_object_links_libstdcxx(fake_mscclpp, tmp_path: Path, static: bool) -> None:  # type: ignore[no-untyped-def]
+    """Real ELF files, built here with the system g++: the DT_NEEDED entries decide, not a byte search."""
+    import shutil
+    import subprocess
+
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("needs g++ to build a test shared object")
+    src = tmp_path / "x.cc"
+    src.write_text('#include <string>\nextern "C" int f(int n) { return int(std::to_string(n).size()); }\n')
+    out = tmp_path / "libx.so"
+    cmd = [gxx, "-shared", "-fPIC", "-O1", str(src), "-o", str(out)] + (["-static-libstdc++"] if static else [])
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    needed = native.elf_needed(out.read_bytes())
+    assert needed is not None and ("libstdc++.so.6" in needed) is (not static)
+    info = fake_mscclpp(out.read_bytes())
+    assert info.static_libstdcxx is static

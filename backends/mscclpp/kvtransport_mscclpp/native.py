@@ -71,14 +71,47 @@ def build_info() -> BuildInfo:
         blob = lib.read_bytes()
     except OSError:
         blob = b""
+    needed = elf_needed(blob)
+    if needed is not None:  # an ELF shared object: its DT_NEEDED entries say how libstdc++ is linked
+        static = not any(name.startswith("libstdc++") for name in needed)
+    else:  # not a readable ELF: look for the name anywhere
+        static = bool(blob) and b"libstdc++.so.6" not in blob
     return BuildInfo(
         installed=True,
         version=version,
         package_dir=str(pkg),
         library=str(lib),
         ib_compiled=IB_MARKER in blob,
-        static_libstdcxx=bool(blob) and b"libstdc++.so.6" not in blob,
+        static_libstdcxx=static,
     )
+
+
+def elf_needed(blob: bytes) -> list[str] | None:
+    """The DT_NEEDED names of a 64-bit little-endian ELF shared object, or None if ``blob`` is not one."""
+    import struct
+
+    if len(blob) < 64 or blob[:4] != b"\x7fELF" or blob[4] != 2 or blob[5] != 1:
+        return None
+    try:
+        shoff, = struct.unpack_from("<Q", blob, 0x28)
+        shentsize, shnum = struct.unpack_from("<HH", blob, 0x3A)
+        sections = [struct.unpack_from("<IIQQQQIIQQ", blob, shoff + i * shentsize) for i in range(shnum)]
+        for sh_type, off, size, link, entsize in ((sec[1], sec[4], sec[5], sec[6], sec[9]) for sec in sections):
+            if sh_type != 6:  # SHT_DYNAMIC
+                continue
+            strtab_off = sections[link][4]
+            names = []
+            for pos in range(off, off + size, entsize or 16):
+                tag, val = struct.unpack_from("<qQ", blob, pos)
+                if tag == 0:
+                    break
+                if tag == 1:  # DT_NEEDED
+                    end = blob.index(b"\0", strtab_off + val)
+                    names.append(blob[strtab_off + val:end].decode(errors="replace"))
+            return names
+    except (struct.error, IndexError, ValueError):
+        return None
+    return []
 
 
 def unusable_reason(info: BuildInfo | None = None, environ: dict[str, str] | None = None) -> str | None:

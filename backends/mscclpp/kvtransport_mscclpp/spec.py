@@ -19,6 +19,7 @@ class MscclppSpec(BackendSpec):
     install_hint = ("build MSCCL++ from upstream source (no wheel exists), then pip install ./backends/mscclpp; "
                     "see backends/mscclpp/README.md")
     memory_kinds = frozenset({"cuda"})
+    options = ("transport", "ib_index")
 
     def probe(self) -> Availability:
         info = native.build_info()

@@ -42,7 +42,7 @@ from kvtransport.backend import (
     Transport,
 )
 from kvtransport.coalesce import BlockRun
-from kvtransport.config import Settings, host_id
+from kvtransport.config import Settings, host_id, unknown_option
 from kvtransport.cudacopy import MappedPutter, PeerWindows, SegmentCopier, allocation_extents, segments
 from kvtransport.errors import (
     BackendUnavailable,
@@ -54,9 +54,10 @@ from kvtransport.errors import (
 from kvtransport.layout import KVLayout
 
 from . import native, routing
+from .spec import MscclppSpec
 
 log = logging.getLogger("kvtransport.mscclpp")
-OPTIONS = ("transport", "ib_index")
+OPTIONS = MscclppSpec.options
 UNIQUE_ID_BYTES = 128
 CONNECT_TAG = 0
 
@@ -93,7 +94,7 @@ class MscclppTransport(Transport):
         except ValueError:
             raise ConfigurationError("mscclpp option ib_index must be an integer") from None
         if opts:
-            raise ConfigurationError(f"mscclpp backend: unknown options {sorted(opts)}; known: {', '.join(OPTIONS)}")
+            raise unknown_option(sorted(opts)[0], OPTIONS, "mscclpp backend")
         self.build = native.build_info()
         self.ib_devices = native.ib_devices()
         if self.requested is not None and self.requested != routing.CUDA_IPC:  # say at open() if RDMA cannot work
@@ -106,9 +107,10 @@ class MscclppTransport(Transport):
         self.m = native.load()
         import torch
 
+        self._torch = torch
         self.device = torch.device(layout.device)
         self.device_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        torch.cuda.set_device(self.device_index)  # MSCCL++ uses the current device for its registrations
+        self.on_device()
         self.layout = layout
         self.settings = settings
         self.extents = allocation_extents(layout.extents())  # one registration per CUDA allocation
@@ -128,6 +130,12 @@ class MscclppTransport(Transport):
         log.info("mscclpp: %s; RDMA devices: %s", self.build.summary(), ", ".join(self.ib_devices) or "none")
 
     # ---------------------------------------------------------------- shared pieces
+    def on_device(self) -> None:
+        """Make our device's context current on the calling thread. MSCCL++ registers and maps memory in the
+        current context; links are set up on the manager's threads, where none is current until this runs
+        (``cuMemGetAddressRange ... invalid device context`` otherwise)."""
+        self._torch.cuda.set_device(self.device_index)
+
     def describe(self) -> JSONDict:
         return {
             "host": host_id(),
@@ -148,6 +156,7 @@ class MscclppTransport(Transport):
             if regs is None:
                 flags = self.transport_flag(transport)
                 try:
+                    self.on_device()
                     regs = [self.ctx.register_memory(addr, length, flags) for addr, length in self.extents]
                 except Exception as exc:
                     raise native.translate(exc, f"memory registration for {transport}") from None
@@ -166,6 +175,7 @@ class MscclppTransport(Transport):
     def bootstrap(self, rank: int, unique_id: bytes, timeout: float) -> Any:
         """Join the link's two-rank bootstrap (rank 0 listens). Blocking up to ``timeout`` (GIL released)."""
         try:
+            self.on_device()
             boot = self.m.CppTcpBootstrap.create(rank, 2)
             uid = self.m.CppUniqueId.__new__(self.m.CppUniqueId)  # as pickle does: nanobind's __setstate__
             uid.__setstate__(unique_id)  # initialises a fresh instance (no pickle involved: raw bytes)
@@ -209,11 +219,15 @@ class MscclppTransport(Transport):
 
 
 class _Answer(Answer):
-    """Receiver side: root of the link's bootstrap; sends our registrations."""
+    """Receiver side: root of the link's bootstrap; sends our registrations.
+
+    Registration happens here, before the receiver's WELCOME: if it fails, the sender gets a REFUSE with the
+    reason right away instead of waiting in a bootstrap that its peer will never join."""
 
     def __init__(self, tr: MscclppTransport, transport: str) -> None:
         self.tr = tr
         self.transport = transport
+        self.regs = tr.registrations(transport)
         address = tr.settings.address
         self.unique_id = make_unique_id(address, free_port(address))
         self.reply = {"unique_id": self.unique_id.hex(), "transport": transport,
@@ -221,7 +235,7 @@ class _Answer(Answer):
 
     def complete(self, timeout: float) -> InboundLink:
         tr = self.tr
-        regs = tr.registrations(self.transport)
+        regs = self.regs
         boot = tr.bootstrap(0, self.unique_id, timeout)
         try:
             comm = tr.m.CppCommunicator(boot, tr.ctx)

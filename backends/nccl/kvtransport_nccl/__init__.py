@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvtransport.backend import Availability, BackendSpec, Transport
 from kvtransport.config import Settings
 from kvtransport.layout import KVLayout
@@ -12,6 +14,7 @@ class TorchDistributedSpec(BackendSpec):
     priority = 10
     install_hint = "pip install ./backends/nccl (needs torch)"
     memory_kinds = frozenset({"cpu", "cuda"})
+    options = ("strategy",)
 
     def probe(self) -> Availability:
         try:
@@ -25,7 +28,8 @@ class TorchDistributedSpec(BackendSpec):
         if dist.is_gloo_available():
             kinds.append("host memory via gloo")
         if dist.is_nccl_available() and torch.cuda.is_available():
-            kinds.append(f"CUDA memory via NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
+            nccl_version: Callable[[], tuple[int, ...]] = torch.cuda.nccl.version  # untyped in torch
+            kinds.append(f"CUDA memory via NCCL {'.'.join(map(str, nccl_version()))}")
         if not kinds:
             return Availability(False, "neither gloo nor NCCL is available in this torch build")
         return Availability(True, "; ".join(kinds), {"torch": torch.__version__})

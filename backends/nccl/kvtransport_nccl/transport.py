@@ -16,6 +16,7 @@ import datetime
 import logging
 import os
 import secrets
+import socket
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -34,7 +35,7 @@ from kvtransport.backend import (
     Transport,
 )
 from kvtransport.coalesce import BlockRun
-from kvtransport.config import Settings, host_id
+from kvtransport.config import Settings, host_id, unknown_option
 from kvtransport.errors import (
     BackendUnavailable,
     ConfigurationError,
@@ -122,7 +123,7 @@ class TorchTransport(Transport):
         if self.strategy not in STRATEGIES:
             raise ConfigurationError(f"nccl backend: strategy={self.strategy!r}; choose one of {STRATEGIES}")
         if opts:
-            raise ConfigurationError(f"nccl backend: unknown options {sorted(opts)}; known: strategy")
+            raise unknown_option(sorted(opts)[0], ("strategy",), "nccl backend")
         self.layout = layout
         self.settings = settings
         self.device = torch.device(layout.device)
@@ -167,14 +168,7 @@ class TorchTransport(Transport):
     def make_group(self, store: Any, rank: int, timeout: float) -> Any:
         td = datetime.timedelta(seconds=timeout)
         if self.pg_kind == "gloo":
-            if self.settings.ifname:
-                dev = dist.ProcessGroupGloo.create_device(interface=self.settings.ifname)
-            else:
-                dev = dist.ProcessGroupGloo.create_device(hostname=self.settings.address)
-            opts = dist.ProcessGroupGloo._Options()
-            opts._devices = [dev]
-            opts._timeout = td
-            return dist.ProcessGroupGloo(store, rank, 2, opts)
+            return _gloo_group(store, rank, td, self.settings.ifname, self.settings.address)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = td
         pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
@@ -184,11 +178,27 @@ class TorchTransport(Transport):
         self.views = []
 
 
+def _gloo_group(store: Any, rank: int, timeout: datetime.timedelta, ifname: str | None, address: str) -> Any:
+    """A 2-rank gloo group whose device is bound to ``ifname`` (else ``address``). Binding a device needs
+    ``ProcessGroupGloo._Options``, which torch keeps private (2.4 .. 2.13 have it; there is no public way);
+    looked up by name, so a torch without it still gets a group: the public constructor, whose device gloo
+    picks from GLOO_SOCKET_IFNAME (set from NET_IFNAME at open()) or the hostname."""
+    gloo = dist.ProcessGroupGloo
+    options_type = getattr(gloo, "_Options", None)
+    if options_type is None:
+        log.warning("nccl backend: this torch has no ProcessGroupGloo._Options; gloo picks its own interface")
+        return gloo(store, rank, 2, timeout)
+    dev = gloo.create_device(interface=ifname) if ifname else gloo.create_device(hostname=address)
+    opts = options_type()
+    opts._devices = [dev]
+    opts._timeout = timeout
+    return gloo(store, rank, 2, opts)
+
+
 class _TorchDialer(Dialer):
     def __init__(self, tr: TorchTransport) -> None:
         self.tr = tr
-        self.store = dist.TCPStore(tr.settings.address, 0, 2, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=tr.settings.timeout))
+        self.store = _store_server(tr.settings.address, tr.settings.timeout)
         self.request: JSONDict = {"store_host": tr.settings.address, "store_port": int(self.store.port),
                                   "prefix": secrets.token_hex(4)}
 
@@ -199,6 +209,25 @@ class _TorchDialer(Dialer):
         except Exception as exc:
             raise PeerDisconnected(f"{self.tr.pg_kind} rendezvous with peer failed: {exc}") from None
         return _TorchOutLink(self.tr, pg, self.store)
+
+
+def _store_server(address: str, timeout: float) -> Any:
+    """A TCPStore server listening on ``address`` only (NET_IFNAME's address, or loopback).
+
+    ``TCPStore(host, is_master=True)`` alone listens on every interface (``[::]``) whatever ``host`` says;
+    handing it a socket we bound ourselves (``master_listen_fd``; the store takes the descriptor over)
+    keeps the rendezvous on the interface the user chose."""
+    try:
+        sock = socket.create_server((address, 0))
+    except OSError as exc:
+        raise PeerDisconnected(f"cannot listen on {address} for the rendezvous: {exc}") from None
+    port = sock.getsockname()[1]
+    fd = sock.detach()
+    try:
+        return dist.TCPStore(address, port, 2, is_master=True, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=timeout), master_listen_fd=fd)
+    except Exception as exc:
+        raise PeerDisconnected(f"cannot start the rendezvous store on {address}:{port}: {exc}") from None
 
 
 class _TorchAnswer(Answer):
@@ -302,7 +331,7 @@ class _TorchOutLink(OutboundLink):
     def describe(self) -> str:
         if self.tr.pg_kind == "nccl":
             return f"nccl ({self.tr.device})"
-        return f"gloo tcp via {self.tr.settings.ifname or self.tr.settings.address}"
+        return f"gloo tcp via {self.tr.settings.ifname or self.tr.settings.address} (slow path)"
 
     def close(self) -> None:
         self.pending.clear()

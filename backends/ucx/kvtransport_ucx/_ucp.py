@@ -19,8 +19,13 @@ multiprocessing ``spawn`` context).  Handles used from another process id raise
 
 Struct layouts are written by hand for the UCX versions in
 :data:`VERIFIED_VERSIONS`; loading any other major.minor raises
-:class:`UcpUnavailableError` (override with ``KVTRANSPORT_UCX_ALLOW_UNVERIFIED=1``
+:class:`UcpUnavailableError` (override with ``KV_TRANSPORT_UCX_ALLOW_UNVERIFIED=1``
 at your own risk).
+
+Environment (kvtransport's scheme, ``KV_TRANSPORT_UCX_*``; the older ``KVTRANSPORT_UCX_*`` names still work
+with a DeprecationWarning): ``KV_TRANSPORT_UCX_LIBDIR`` (a system UCX, e.g. one built with verbs),
+``KV_TRANSPORT_UCX_ALLOW_UNVERIFIED`` (boolean), ``KV_TRANSPORT_UCX_CACHE`` (where the C helper is
+compiled), ``KV_TRANSPORT_UCX_NO_C_HELPER`` (boolean: issue puts from Python).
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ import warnings
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, Union
+
+from kvtransport.config import env_bool, read_env
+from kvtransport.errors import ConfigurationError
 
 __all__ = [
     "VERIFIED_VERSIONS",
@@ -362,10 +370,27 @@ class _Lib:
             raise UcpError(f"{what} failed: {self.status_string(status)} ({status})", status)
 
 
+def _env(knob: str) -> str | None:
+    """``KV_TRANSPORT_UCX_<knob>`` (or its deprecated ``KVTRANSPORT_UCX_<knob>``), None when unset."""
+    return read_env(f"KV_TRANSPORT_UCX_{knob}", deprecated=(f"KVTRANSPORT_UCX_{knob}",))
+
+
+def _env_flag(knob: str) -> bool:
+    """Boolean ``KV_TRANSPORT_UCX_<knob>`` (strict; off when unset). Raises ConfigurationError."""
+    return env_bool(f"KV_TRANSPORT_UCX_{knob}", False, deprecated=(f"KVTRANSPORT_UCX_{knob}",))
+
+
+def check_environment() -> None:
+    """Parse every ``KV_TRANSPORT_UCX_*`` knob now (called at ``open()``), so that a bad value is a
+    ConfigurationError naming the variable there, not a surprise at the first put."""
+    for knob in ("ALLOW_UNVERIFIED", "NO_C_HELPER"):
+        _env_flag(knob)
+
+
 def _find_wheel_libucp() -> tuple[ctypes.CDLL, ctypes.CDLL, str]:
-    """Load libucp/libucs via the ``libucx`` wheel (or KVTRANSPORT_UCX_LIBDIR)."""
+    """Load libucp/libucs via the ``libucx`` wheel (or KV_TRANSPORT_UCX_LIBDIR)."""
     flags = ctypes.RTLD_LOCAL
-    libdir = os.environ.get("KVTRANSPORT_UCX_LIBDIR")
+    libdir = _env("LIBDIR")
     if libdir:
         ucs_path = os.path.join(libdir, "libucs.so")
         ucp_path = os.path.join(libdir, "libucp.so")
@@ -376,7 +401,7 @@ def _find_wheel_libucp() -> tuple[ctypes.CDLL, ctypes.CDLL, str]:
             ucs = ctypes.CDLL(ucs_path, flags)
             return ctypes.CDLL(ucp_path, flags), ucs, ucp_path
         except OSError as e:
-            raise UcpUnavailableError(f"KVTRANSPORT_UCX_LIBDIR={libdir!r}: cannot load libucp: {e}") from e
+            raise UcpUnavailableError(f"KV_TRANSPORT_UCX_LIBDIR={libdir!r}: cannot load libucp: {e}") from e
     try:
         import libucx  # type: ignore[import-not-found,import-untyped,unused-ignore]
     except ImportError as e:
@@ -412,17 +437,19 @@ def _load() -> _Lib:
         try:
             ucp, ucs, path = _find_wheel_libucp()
             lib = _Lib(ucp, ucs, path)
-            if lib.version[:2] not in VERIFIED_VERSIONS and os.environ.get("KVTRANSPORT_UCX_ALLOW_UNVERIFIED") != "1":
+            if lib.version[:2] not in VERIFIED_VERSIONS and not _env_flag("ALLOW_UNVERIFIED"):
                 verified = ", ".join(f"{a}.{b}" for a, b in sorted(VERIFIED_VERSIONS))
                 raise UcpUnavailableError(
                     f"libucp {'.'.join(map(str, lib.version))} at {path} is not a version whose struct layouts "
                     f"kvtransport_ucx verified ({verified}); install a matching wheel, e.g. "
-                    f"`pip install 'libucx-cu12>=1.21,<1.23'`, or set KVTRANSPORT_UCX_ALLOW_UNVERIFIED=1 at your risk"
+                    f"`pip install 'libucx-cu12>=1.21,<1.23'`, or set KV_TRANSPORT_UCX_ALLOW_UNVERIFIED=1 at your risk"
                 )
-        except (UcpUnavailableError, OSError, AttributeError) as e:
+        except (UcpUnavailableError, OSError, AttributeError, ConfigurationError) as e:
             _lib_error = e
             if isinstance(e, UcpUnavailableError):
                 raise
+            if isinstance(e, ConfigurationError):  # a bad KV_TRANSPORT_UCX_* value: its message is the fix
+                raise UcpUnavailableError(str(e)) from e
             raise UcpUnavailableError(f"cannot load libucp: {e}; {_INSTALL_HINT}") from e
         _lib = lib
         return lib
@@ -468,7 +495,7 @@ _helper_lib_lock = threading.Lock()
 
 
 def _cache_dir() -> str:
-    base = os.environ.get("KVTRANSPORT_UCX_CACHE") or os.path.join(
+    base = _env("CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvtransport_ucx"
     )
     return base
@@ -485,7 +512,11 @@ def _helper_library() -> ctypes.CDLL | None:
         if _helper_lib_tried:
             return _helper_lib
         _helper_lib_tried = True
-        if os.environ.get("KVTRANSPORT_UCX_NO_C_HELPER") == "1":
+        try:
+            no_helper = _env_flag("NO_C_HELPER")
+        except ConfigurationError:  # refused at open() already (check_environment); not worth a failed put
+            no_helper = False
+        if no_helper:
             return None
         import glob
 

@@ -12,6 +12,7 @@ class UcxSpec(BackendSpec):
     priority = 20  # measured faster than gloo on host memory (docs/benchmarks.md)
     install_hint = "pip install ./backends/ucx  (pulls the libucx-cu12 wheel; libucx-cu13 on CUDA 13 hosts)"
     memory_kinds = frozenset({"cpu", "cuda"})
+    options = ("tls",)
 
     def probe(self) -> Availability:
         try:

@@ -43,14 +43,13 @@ from kvtransport.backend import (
     Transport,
 )
 from kvtransport.coalesce import BlockRun
-from kvtransport.config import Settings, host_id
+from kvtransport.config import Settings, host_id, unknown_option
 from kvtransport.cudacopy import MappedPutter, allocation_extents
 from kvtransport.cudacopy import segments as _segments
 from kvtransport.cudacopy import uniform as _uniform
 from kvtransport.errors import (
     BackendUnavailable,
     CommClosed,
-    ConfigurationError,
     IncompatiblePeer,
     PeerDisconnected,
     TransferError,
@@ -59,9 +58,10 @@ from kvtransport.errors import (
 from kvtransport.layout import KVLayout
 
 from . import _ucp, cudaipc
+from .spec import UcxSpec
 
 log = logging.getLogger("kvtransport.ucx")
-OPTIONS = ("tls",)
+OPTIONS = UcxSpec.options
 SLOW_LANES = ("tcp",)
 PLANS = 16
 """Per link: how many distinct runs objects (requests in flight) keep their precomputed segment plan."""
@@ -83,7 +83,8 @@ class UcxTransport(Transport):
         opts = dict(settings.backend_options)
         tls = opts.pop("tls", None)
         if opts:
-            raise ConfigurationError(f"ucx backend: unknown options {sorted(opts)}; known: {', '.join(OPTIONS)}")
+            raise unknown_option(sorted(opts)[0], OPTIONS, "ucx backend")
+        _ucp.check_environment()
         if not _ucp.is_available():
             raise BackendUnavailable(f"ucx backend: {_ucp.load_error()}")
         self.layout = layout
@@ -252,6 +253,9 @@ class _UcxOutLink(OutboundLink):
                 raise PeerDisconnected(f"ucx could not reach the peer: {exc}") from None
         names = sorted({tl for tl, _ in lanes})
         self.lanes = ",".join(names) or "unknown"
+        net_devices = sorted({dev for tl, dev in lanes if tl in SLOW_LANES})
+        if names and all(tl in SLOW_LANES for tl in names):  # name the interface(s) TCP goes over
+            self.lanes += " via " + ",".join(net_devices)
         self.ipc: Any = None  # CUDA IPC: the peer's mapped KV memory (a cudaipc.PeerMapping)
         self.ipc_putter: Any = None  # ... and the cudacopy.MappedPutter that launches this link's puts
         self._ipc_closed = False  # set by close(); the three above stay (a racing signal finds them)
@@ -283,7 +287,7 @@ class _UcxOutLink(OutboundLink):
         self.inline_puts = not self.slow and self.ipc is None  # see INLINE_PUT_BYTES
         if self.slow:
             log.warning("ucx: the peer is reached over %s only (the slow path): check UCX_TLS, NET_IFNAME and, "
-                        "between hosts, whether a verbs-enabled UCX is installed (KVTRANSPORT_UCX_LIBDIR)", self.lanes)
+                        "between hosts, whether a verbs-enabled UCX is installed (KV_TRANSPORT_UCX_LIBDIR)", self.lanes)
         else:
             log.info("ucx: lanes to peer: %s", self.lanes)
 
