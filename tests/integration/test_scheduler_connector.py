@@ -3,6 +3,7 @@ talking over the real side channel on loopback, driven by fake runner outputs (n
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
@@ -76,6 +77,11 @@ def pair(tiny_model: str):
         pr.close()
 
 
+def _blocks(sched, req) -> set[int]:
+    """The blocks ``req`` holds in ``sched`` (a failed receive's load errors, for vLLM < 0.32)."""
+    return set(sched.kv_cache_manager.get_block_ids(req.request_id)[0])
+
+
 def _decode_admit(pr: Pair, req, pushes_expected: bool = True) -> None:
     """Decode: schedule ``req`` into WAITING_FOR_REMOTE_KVS and return its recv plan."""
     pr.d.add_request(req)
@@ -122,7 +128,7 @@ def test_push_layerwise_plan_and_clean_finish(pair) -> None:
 
 
 def test_late_destination_gets_whole_push(pair) -> None:
-    pr = pair()
+    pr = pair(p_extra={"dst_wait": 0})  # the prefill does not wait for its destination: it comes late
     prompt = list(range(100, 120))
     pparams, dparams = pr.push_params("late")
     preq = make_request(prompt, params=pparams, max_tokens=1)
@@ -135,9 +141,9 @@ def test_late_destination_gets_whole_push(pair) -> None:
     _decode_admit(pr, dreq)
     pr.prefill_sees_dsts("late")
     so = pr.p.schedule()
-    plan = plan_of(so)
-    if not plan.whole_pushes:  # dst processed by the polling step above
-        pass
+    (whole,) = plan_of(so).whole_pushes  # the destination drained above: every block goes after the forward
+    dst = pr.d.kv_cache_manager.get_block_ids(dreq.request_id)[0]
+    assert whole.seq == dreq.request_id and whole.final and list(whole.dst) == list(dst[:2])
     pr.p.update_from_output(so, empty_output())
     assert not pr.pc.sources  # released after the whole push was planned
 
@@ -323,7 +329,7 @@ def test_prefill_abort_fails_decode(pair) -> None:
         return dreq.request_id in plan_of(so).recv_fail
     wait_until(failed)
     so = pr.d.schedule()
-    pr.d.update_from_output(so, empty_output(failed={dreq.request_id}))
+    pr.d.update_from_output(so, empty_output(failed={dreq.request_id}, failed_blocks=_blocks(pr.d, dreq)))
     so = pr.d.schedule()  # recompute policy: prefilled locally
     assert so.num_scheduled_tokens.get(dreq.request_id) == len(prompt)
 
@@ -412,6 +418,20 @@ def test_pull_with_n2_serves_every_decode_child_then_frees_the_family(pair) -> N
     assert_no_leaks(pr.p)
 
 
+def _spy_gauges(pr: Pair) -> dict[str, int]:
+    """The decode scheduler's connector gauges as last reported to vLLM's stats collection."""
+    seen: dict[str, int] = {}
+    orig = pr.dc.stats_delta
+
+    def spy() -> dict[str, int]:
+        out = orig()
+        seen.update({k: v for k, v in out.items() if k.startswith("recv_")})
+        return out
+
+    pr.dc.stats_delta = spy
+    return seen
+
+
 def _spy_counters(pr: Pair) -> dict[str, int]:
     """The prefill scheduler's connector counters, summed over vLLM's stats collection (which resets them)."""
     seen: dict[str, int] = {}
@@ -420,7 +440,8 @@ def _spy_counters(pr: Pair) -> dict[str, int]:
     def spy() -> dict[str, int]:
         out = orig()
         for k, v in out.items():
-            seen[k] = seen.get(k, 0) + v
+            if isinstance(v, int):  # counters (timings are lists)
+                seen[k] = seen.get(k, 0) + v
         return out
 
     pr.pc.stats_delta = spy
@@ -431,7 +452,7 @@ def test_lease_renewed_by_live_decode_then_freed_when_it_disconnects(pair) -> No
     """A finished prefill request waiting for its destination is kept past the lease while the decode renews it
     (the decode's request waits unallocated), and freed at once when that decode's side channel closes."""
     lease = 3.0  # seconds: margins a loaded 2-core CI VM (GC pauses, unscheduled side-channel threads) keeps
-    pr = pair(p_extra={"lease": lease})
+    pr = pair(p_extra={"lease": lease, "dst_wait": 0})  # the prefill runs before its destination is known
     seen = _spy_counters(pr)
     prompt = list(range(10, 10 + 40))
     pparams, dparams = pr.push_params("x-lease")
@@ -470,7 +491,7 @@ def test_lease_renewed_by_live_decode_then_freed_when_it_disconnects(pair) -> No
 def test_lease_expires_without_decode(pair) -> None:
     """Blocks held for a decode that never comes are freed once the lease expires, and counted."""
     lease = 2.0  # the first schedule() below must come within it, also on a loaded CI VM
-    pr = pair(p_extra={"lease": lease})
+    pr = pair(p_extra={"lease": lease, "dst_wait": 0})  # the prefill runs before its destination is known
     seen = _spy_counters(pr)
     pparams, _ = pr.push_params("x-nobody")
     preq = make_request(list(range(10, 50)), params=pparams, max_tokens=1)
@@ -535,3 +556,203 @@ def test_a_pull_for_a_freed_transfer_is_refused_without_an_engine_step(pair) -> 
         pr.d.update_from_output(so, empty_output())
         return late.request_id in failed
     wait_until(told, timeout=10)
+
+
+# ---------------------------------------------------------------------- layer-wise push by default
+def _step(sched, **kw):
+    so = sched.schedule()
+    sched.update_from_output(so, empty_output(**kw))
+    return so
+
+
+def test_prefill_waits_for_its_destination_then_pushes_layerwise(pair) -> None:
+    """Default settings: a push-flow prefill request that arrives before its decode allocated waits (bounded by
+    dst_wait) instead of running, so its first layer already knows where to go; the wait is reported."""
+    pr = pair()
+    waits = _spy_timings(pr)
+    prompt = list(range(900, 940))
+    pparams, dparams = pr.push_params("x-wait")
+    preq = make_request(prompt, params=pparams, max_tokens=1)
+    pr.p.add_request(preq)
+    so = _step(pr.p)
+    assert preq.request_id not in so.num_scheduled_tokens  # waits: the destination is unknown
+    assert not plan_of(so).layer_pushes and not plan_of(so).whole_pushes
+    dreq = make_request(prompt, params=dparams)
+    _decode_admit(pr, dreq)  # the decode allocates and sends the destination
+
+    def runs() -> bool:
+        so = pr.p.schedule()
+        if preq.request_id not in so.num_scheduled_tokens:
+            pr.p.update_from_output(so, empty_output())
+            return False
+        (push,) = plan_of(so).layer_pushes
+        assert push.final and push.seq == dreq.request_id
+        assert list(push.dst) == list(pr.d.kv_cache_manager.get_block_ids(dreq.request_id)[0][:3])
+        pr.p.update_from_output(so, runner_output([preq]))
+        return True
+
+    wait_until(runs)
+    so = pr.p.schedule()
+    assert not plan_of(so).whole_pushes and plan_of(so).send_release == [preq.request_id]
+    pr.p.update_from_output(so, empty_output(sending={preq.request_id}))
+    assert len(waits["dst_waits"]) == 1 and 0 <= waits["dst_waits"][0] < 10
+    assert_no_leaks(pr.p)
+
+
+def test_prefill_admission_wait_is_bounded(pair) -> None:
+    """No decode ever allocates: the prefill runs after dst_wait (not later), counts the timeout, and its KV
+    then waits for a destination under the lease as before."""
+    pr = pair(p_extra={"dst_wait": 0.5, "lease": 30})
+    seen = _spy_counters(pr)
+    pparams, _ = pr.push_params("x-nodst")
+    preq = make_request(list(range(10, 50)), params=pparams, max_tokens=1)
+    pr.p.add_request(preq)
+    t0 = time.monotonic()
+    so = _step(pr.p)
+    assert preq.request_id not in so.num_scheduled_tokens
+
+    def runs() -> bool:
+        so = pr.p.schedule()
+        scheduled = preq.request_id in so.num_scheduled_tokens
+        pr.p.update_from_output(so, runner_output([preq]) if scheduled else empty_output())
+        return scheduled
+
+    wait_until(runs, timeout=5)
+    took = time.monotonic() - t0
+    assert 0.5 <= took < 3.0, took
+    assert preq.request_id in pr.p.requests  # finished, its blocks held for a destination
+    _step(pr.p)
+    assert seen == {"dst_wait_timeouts": 1}
+
+
+def test_decode_above_admit_below_allocates_only_when_the_prefill_is_ready(pair) -> None:
+    """admit_below=0: the decode holds no block for a push-flow request until the prefill says it is about to
+    compute it; then it allocates at once and the prefill still pushes layer-wise."""
+    pr = pair(d_extra={"admit_below": 0})
+    gauges = _spy_gauges(pr)
+    prompt = list(range(1000, 1040))
+    pparams, dparams = pr.push_params("x-ready")
+    dreq = make_request(prompt, params=dparams)
+    pr.d.add_request(dreq)
+    for _ in range(3):
+        so = _step(pr.d)
+        assert dreq.status == RequestStatus.WAITING and not plan_of(so).recv_start
+        assert pr.d.kv_cache_manager.block_pool.get_num_free_blocks() == 999  # nothing allocated for it
+    assert gauges == {"recv_unallocated": 1, "recv_in_progress": 0}
+    wait_until(lambda: (pr.pc._drain_inbox(time.monotonic()), "x-ready" in pr.pc.holds)[1])  # its renewal
+    preq = make_request(prompt, params=pparams, max_tokens=1)
+    pr.p.add_request(preq)
+    so = _step(pr.p)
+    assert preq.request_id not in so.num_scheduled_tokens  # waits for the destination, and said "ready"
+
+    def admitted() -> bool:
+        so = _step(pr.d)
+        return dreq.request_id in plan_of(so).recv_start
+
+    wait_until(admitted)
+    assert dreq.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    _step(pr.d)
+    assert gauges == {"recv_unallocated": 0, "recv_in_progress": 1}
+
+    def pushed() -> bool:
+        so = pr.p.schedule()
+        ok = preq.request_id in so.num_scheduled_tokens
+        if ok:
+            assert [p.seq for p in plan_of(so).layer_pushes] == [dreq.request_id]
+        pr.p.update_from_output(so, runner_output([preq]) if ok else empty_output())
+        return ok
+
+    wait_until(pushed)
+
+
+def test_decode_waiting_for_a_dead_prefill_takes_the_failure_path(pair) -> None:
+    """admit_below=0 and the prefill's side channel cannot be reached: the request is not left waiting
+    unallocated for ever; it is admitted only to fail (vLLM's failure policy then applies)."""
+    pr = pair(d_extra={"admit_below": 0, "connect_timeout": 1})
+    _, dparams = pr.push_params("x-dead")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dparams = {**dparams, "remote_port": s.getsockname()[1]}  # nobody listens there
+    dreq = make_request(list(range(60)), params=dparams)
+    pr.d.add_request(dreq)
+    fails: dict = {}
+
+    def failed() -> bool:
+        so = _step(pr.d)
+        fails.update(plan_of(so).recv_fail)
+        return dreq.request_id in fails
+
+    wait_until(failed, timeout=15)
+    assert "prefill side channel unusable" in fails[dreq.request_id]
+    so = pr.d.schedule()
+    pr.d.update_from_output(so, empty_output(failed={dreq.request_id}, failed_blocks=_blocks(pr.d, dreq)))
+    _step(pr.d)
+    assert_no_leaks(pr.d)
+
+
+def test_pull_abort_before_allocation_frees_the_prefill_at_once(pair) -> None:
+    """Pull flow: a decode request aborted before its blocks were allocated tells the prefill, which frees the
+    blocks it kept for the pull within a second (not after the 30 s lease)."""
+    pr = pair()
+    prompt = list(range(1100, 1150))
+    toy = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+           "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    preq = make_request(prompt, params=toy, max_tokens=1)
+    pr.p.add_request(preq)
+    so = pr.p.schedule()
+    kv = _kv_params(pr.p.update_from_output(so, runner_output([preq])))
+    assert preq.request_id in pr.p.requests
+    dreq = make_request(prompt, params=kv)
+    pr.d.add_request(dreq)
+    pr.d.finish_requests(dreq.request_id, RequestStatus.FINISHED_ABORTED)  # before any schedule
+    _step(pr.d)  # its cancel goes out with the decode's next step
+    t0 = time.monotonic()
+    released: list = []
+
+    def freed() -> bool:
+        so = pr.p.schedule()
+        released.extend(plan_of(so).send_release)
+        pr.p.update_from_output(so, empty_output(sending=set(plan_of(so).send_release)))
+        return preq.request_id not in pr.p.requests
+
+    wait_until(freed, timeout=5)
+    assert time.monotonic() - t0 < 1.0 and released == [preq.request_id]
+    assert_no_leaks(pr.p)
+    assert_no_leaks(pr.d)
+
+
+def test_only_a_layerwise_producer_asks_for_piecewise_cuda_graphs(tiny_model: str) -> None:
+    """vLLM asks ``requires_piecewise_for_cudagraph(extra_config)`` while it builds the VllmConfig, without the
+    role: a decode keeps full CUDA graphs, a push-mode producer (or kv_both) gets piecewise, pull mode none."""
+    from kvtransport_vllm.connector import KVTransportConnector
+    from vllm.config import KVTransferConfig
+
+    class Building:  # stands for VllmConfig.__post_init__'s frame, where vLLM makes the call
+        def __init__(self, role: str, extra: dict) -> None:
+            self.kv_transfer_config = KVTransferConfig(
+                kv_connector="KVTransportConnector", kv_connector_module_path="kvtransport_vllm.connector",
+                kv_role=role, kv_connector_extra_config=extra)
+
+        def piecewise(self) -> bool:
+            return KVTransportConnector.requires_piecewise_for_cudagraph(
+                self.kv_transfer_config.kv_connector_extra_config)
+
+    assert Building("kv_consumer", {}).piecewise() is False
+    assert Building("kv_producer", {}).piecewise() is True
+    assert Building("kv_both", {}).piecewise() is True
+    assert Building("kv_producer", {"mode": "pull"}).piecewise() is False
+    assert KVTransportConnector.requires_piecewise_for_cudagraph({}) is True  # role unknown: the safe answer
+
+
+def _spy_timings(pr: Pair) -> dict[str, list[float]]:
+    """The prefill scheduler's timing lists (dst_waits), collected across vLLM's stats resets."""
+    seen: dict[str, list[float]] = {"dst_waits": []}
+    orig = pr.pc.stats_delta
+
+    def spy() -> dict:
+        out = orig()
+        seen["dst_waits"].extend(out.get("dst_waits", []))
+        return out
+
+    pr.pc.stats_delta = spy
+    return seen

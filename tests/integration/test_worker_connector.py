@@ -4,6 +4,7 @@ the HND order the CPU backend uses). Checks bytes, completion reports, timeouts 
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
@@ -14,6 +15,8 @@ pytest.importorskip("kvtransport_vllm", reason="kvtransport-vllm is not installe
 from kvtransport_vllm.config import resolve_settings  # noqa: E402
 from kvtransport_vllm.metadata import Push, StepPlan  # noqa: E402
 from kvtransport_vllm.worker import TransferResults, WorkerSide  # noqa: E402
+
+from kvtransport import wire  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(180)]
 
@@ -81,7 +84,7 @@ def test_layerwise_push_lands_and_releases(pd) -> None:
         for s, t in zip(s_ids, d_ids, strict=True):
             assert torch.equal(src[name][s], dst[name][t])
         assert dst[name][0].abs().sum() == 0  # untouched
-    step(p, StepPlan(send_release=["preq"]), src)
+    p.bind(StepPlan(send_release=["preq"]))  # a step without a forward: vLLM calls no wait_for_save
     poll(p, "finished_sending", "preq")
     ps, ds = p.stats_delta(), d.stats_delta()
     assert ps["bytes_sent"] == ds["bytes_received"] == 4 * LAYERS * HEADS * BS * 2 * HEAD * 4
@@ -131,6 +134,40 @@ def test_unknown_peer_reports_send_failure(pd) -> None:
     assert fails and fails[0].seq == "sx" and "nobody" in fails[0].reason
 
 
+def test_a_blackholed_decode_does_not_delay_another_decodes_push() -> None:
+    """Connects run per destination, off the pusher thread: a decode that accepts TCP and never answers holds
+    its own pushes (until connect_timeout fails them), not those to a live decode."""
+    src, dst = vllm_like_cache(1), vllm_like_cache(None)
+    p, d = worker(src, connect_timeout=5), worker(dst, transfer_timeout=60)
+    try:
+        live = d.handshake()["metadata"]
+        d.bind(StepPlan(recv_start={"warm": 60, "live": 60}))
+        step(p, StepPlan(peers={"LIVE": {0: live}}, layer_pushes=[Push("p0", "warm", "LIVE", (1,), (1,), final=True)]),
+             src)
+        poll(d, "finished_recving", "warm")  # the live link exists: what follows measures only the push
+        with socket.create_server(("127.0.0.1", 0)) as hole:  # the kernel completes TCP; nobody ever answers
+            dead = wire.encode_metadata({**wire.decode_metadata(live), "instance": "blackhole",
+                                         "port": hole.getsockname()[1]})
+            t0 = time.monotonic()
+            step(p, StepPlan(peers={"DEAD": {0: dead}},
+                             layer_pushes=[Push("p1", "to-dead", "DEAD", (1, 2), (1, 2), final=True),
+                                           Push("p2", "live", "LIVE", (3, 4), (5, 6), final=True)]), src)
+            poll(d, "finished_recving", "live", timeout=20)
+            assert time.monotonic() - t0 < 1.0, "the live decode's push waited for the dead decode's connect"
+            deadline = time.monotonic() + 20
+            fails = []
+            while not fails and time.monotonic() < deadline:  # the dead one's backlog fails at connect_timeout
+                p.transfer_results()
+                fails = p.take_send_failures()
+                time.sleep(0.05)
+            assert [(f.seq, f.engine) for f in fails] == [("to-dead", "DEAD")]
+        for name in src:
+            assert torch.equal(src[name][3], dst[name][5]) and torch.equal(src[name][4], dst[name][6])
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
 def test_debug_delay_holds_back_one_signal_without_blocking_others(pd) -> None:
     """Test-only ``debug_push_delay``: the delayed request's final signal (and its release) waits, while a request
     pushed after it lands at once."""
@@ -152,3 +189,31 @@ def test_debug_delay_holds_back_one_signal_without_blocking_others(pd) -> None:
     poll(d, "finished_recving", "slow")
     assert time.monotonic() - t0 >= 3.5
     poll(p, "finished_sending", "ps")
+
+
+def test_failed_receives_name_their_blocks_for_vllm_before_0_32(pd, monkeypatch) -> None:
+    """vLLM 0.24-0.31 learns of a failed receive only from its blocks (``get_block_ids_with_load_errors``, asked
+    right after ``get_finished``): the connector reports exactly the failed request's destination blocks, once;
+    neither a landed nor an aborted receive reports any."""
+    from kvtransport_vllm import connector as conn_mod
+
+    _, d, _, _ = pd
+    monkeypatch.setattr(conn_mod, "REPORTS_FAILED_RECVING", False)
+    c = conn_mod.KVTransportConnector.__new__(conn_mod.KVTransportConnector)
+    c._worker, c._load_errors = d, set()
+    d.bind(StepPlan(recv_start={"late": 0.2, "gone": 60}, recv_blocks={"late": [5, 6, 9], "gone": [1, 2]}))
+    deadline = time.monotonic() + 30
+    recving: set[str] = set()
+    errors: set[int] = set()
+    while "late" not in recving and time.monotonic() < deadline:
+        recving |= c.get_finished(set())[1] or set()
+        errors |= c.get_block_ids_with_load_errors()
+        time.sleep(0.01)
+    assert "late" in recving and errors == {5, 6, 9}
+    d.bind(StepPlan(recv_abort=["gone"]))
+    while "gone" not in recving and time.monotonic() < deadline:
+        recving |= c.get_finished(set())[1] or set()
+        errors |= c.get_block_ids_with_load_errors()
+        time.sleep(0.01)
+    assert "gone" in recving and errors == {5, 6, 9}  # an abort is not a load error
+    assert c.get_block_ids_with_load_errors() == set() and d.blocks_of({"late", "gone"}) == set()

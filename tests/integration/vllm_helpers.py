@@ -63,13 +63,21 @@ def make_request(tokens: list[int], *, params: dict[str, Any] | None = None, max
 
 def runner_output(reqs: list[Request], *, token: int | None = 7, sending: set[str] | None = None,
                   recving: set[str] | None = None, failed: set[str] | None = None,
-                  worker_meta: Any = None) -> ModelRunnerOutput:
+                  failed_blocks: set[int] | None = None, worker_meta: Any = None) -> ModelRunnerOutput:
     """One sampled token for each of ``reqs`` (none when ``token`` is None: a partial prefill) plus the
-    connector's report."""
+    connector's report. ``failed``: receives that failed, reported the way the installed vLLM takes them
+    (0.32+: ``failed_recving``; before: finished, with their blocks, ``failed_blocks``, as load errors)."""
     kvo = None
     if sending or recving or failed or worker_meta is not None:
+        extra: dict[str, Any] = {}
+        if failed:  # vLLM < 0.32 learns of failed receives from block ids only (the connector reports them)
+            if "failed_recving" in KVConnectorOutput.__dataclass_fields__:
+                extra["failed_recving"] = set(failed)
+            else:
+                assert failed_blocks, "vLLM < 0.32 learns of a failed receive from its blocks: pass failed_blocks"
+                extra["invalid_block_ids"] = set(failed_blocks)
         kvo = KVConnectorOutput(finished_sending=set(sending or ()), finished_recving=set(recving or ()) | set(failed or ()),
-                                failed_recving=set(failed or ()), kv_connector_worker_meta=worker_meta)
+                                kv_connector_worker_meta=worker_meta, **extra)
     ids = [r.request_id for r in reqs]
     return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                              sampled_token_ids=[[token] if token is not None else [] for _ in ids], logprobs=None, prompt_logprobs_dict={},

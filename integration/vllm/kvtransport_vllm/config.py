@@ -5,8 +5,10 @@ Keys of ``kv_connector_extra_config`` (all optional)::
     backend            kvtransport backend name            (env KV_TRANSPORT, default "auto")
     ifname             interface for side channels and data (env NET_IFNAME, default loopback)
     mode               "push" (layer-wise, default) | "pull"   (what this instance does when it
-                       prefills: "pull" never puts from inside the forward, only after it)
-    side_channel_port  port of the scheduler's side channel (env KVT_VLLM_SIDE_CHANNEL_PORT, default 0 = any)
+                       prefills: "pull" never puts from inside the forward, only after it; env
+                       KV_TRANSPORT_VLLM_MODE, or the older KVT_VLLM_MODE with a deprecation warning)
+    side_channel_port  port of the scheduler's side channel (env KV_TRANSPORT_VLLM_SIDE_CHANNEL_PORT, default 0 =
+                       any; the older KVT_VLLM_SIDE_CHANNEL_PORT still works, with a deprecation warning)
     transfer_timeout   seconds a decode request waits for its KV before the failure path (default 120)
     lease              seconds a prefill instance holds blocks for a remote decode (a delay-freed request
                        waiting for its destination, or for being pulled) without hearing from that decode;
@@ -14,8 +16,15 @@ Keys of ``kv_connector_extra_config`` (all optional)::
                        blocks are freed (default 30; ``source_ttl`` is accepted as an older name)
     connect_timeout    seconds for side-channel and transport connects (default 30)
     dst_wait           seconds a prefill request of the push flow may wait for its destination blocks
-                       before it is scheduled anyway (default 0: never delay prefill; the push then
-                       happens after the forward when the destination comes late)
+                       before it is scheduled anyway (default 5; the push then happens after the forward).
+                       Layer-wise push needs the destination known before the first layer runs; 0 never
+                       delays a prefill (most pushes then go whole, after the forward)
+    admit_below        decode: the fraction of its KV blocks in use below which a push-flow request is
+                       allocated as soon as it arrives (default 0.5). Above it, the decode allocates only
+                       when the prefill says it is about to compute the request (``ready``), so blocks are
+                       not held while requests queue at the prefill. 1 = always at once, 0 = always wait
+    secret             shared secret both side channels prove (HMAC), the core's and the scheduler's
+                       (``backend_options.secret``, else env KV_TRANSPORT_SECRET, default none: open)
     model_id           model identity for the compatibility hash (default: basename of the model path)
     backend_options    dict handed to kvtransport.open (capacity, timeout, backend knobs)
     debug_push_delay   test-only: seconds the prefill worker holds back the final signal of a request whose
@@ -29,10 +38,13 @@ Keys of ``kv_connector_extra_config`` (all optional)::
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvtransport.config import read_env
 
 MODES = ("push", "pull")
 
@@ -48,11 +60,13 @@ class ConnectorSettings:
     transfer_timeout: float = 120.0
     lease: float = 30.0
     connect_timeout: float = 30.0
-    dst_wait: float = 0.0
+    dst_wait: float = 5.0
+    admit_below: float = 0.5
     model_id: str | None = None
     backend_options: Mapping[str, Any] = field(default_factory=dict)
     debug_push_delay: float = 0.0
     debug_hold: bool = False
+    secret: bytes | None = field(default=None, repr=False)
 
     @property
     def source_ttl(self) -> float:
@@ -73,16 +87,36 @@ def resolve_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str] | N
     """Build settings from ``kv_connector_extra_config`` and the environment. Raises ValueError for bad values."""
     extra = dict(extra or {})
     env = os.environ if env is None else env
-    mode = str(extra.get("mode", env.get("KVT_VLLM_MODE", "push"))).lower()
+    mode = str(extra.get("mode") or read_env("KV_TRANSPORT_VLLM_MODE", deprecated=("KVT_VLLM_MODE",), env=env)
+               or "push").strip().lower()
     if mode not in MODES:
         raise ValueError(f"kv_connector_extra_config.mode={mode!r}: choose one of {MODES}")
-    port = extra.get("side_channel_port", env.get("KVT_VLLM_SIDE_CHANNEL_PORT", 0))
+    port_raw = extra.get("side_channel_port")
+    if port_raw is None:
+        port_raw = read_env("KV_TRANSPORT_VLLM_SIDE_CHANNEL_PORT", deprecated=("KVT_VLLM_SIDE_CHANNEL_PORT",),
+                            env=env) or 0
+    try:
+        port = int(str(port_raw).strip()) if not isinstance(port_raw, bool) else -1
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise ValueError(f"side_channel_port must be a port number 0..65535 (0: any free port), got {port_raw!r}")
     opts = extra.get("backend_options", {})
     if not isinstance(opts, Mapping):
         raise ValueError("kv_connector_extra_config.backend_options must be a JSON object")
 
+    def _finite(key: str, default: float) -> float:
+        raw = extra.get(key, default)
+        try:
+            value = float(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"kv_connector_extra_config.{key} must be a number, got {raw!r}") from None
+        if not math.isfinite(value):
+            raise ValueError(f"kv_connector_extra_config.{key} must be finite, got {raw!r}")
+        return value
+
     def _num(key: str, default: float) -> float:
-        value = float(extra.get(key, default))
+        value = _finite(key, default)
         if not value > 0:
             raise ValueError(f"kv_connector_extra_config.{key} must be > 0, got {value}")
         return value
@@ -91,20 +125,33 @@ def resolve_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str] | N
         backend=str(extra.get("backend") or env.get("KV_TRANSPORT") or "auto").lower(),
         ifname=(extra.get("ifname") or env.get("NET_IFNAME") or None),
         mode=mode,
-        side_channel_port=int(port),
+        side_channel_port=port,
         transfer_timeout=_num("transfer_timeout", 120.0),
         lease=_num("lease", float(extra.get("source_ttl", 30.0))),
         connect_timeout=_num("connect_timeout", 30.0),
-        dst_wait=max(0.0, float(extra.get("dst_wait", 0.0))),
+        dst_wait=max(0.0, _finite("dst_wait", 5.0)),
+        admit_below=min(1.0, max(0.0, _finite("admit_below", 0.5))),
         model_id=extra.get("model_id"),
         backend_options=dict(opts),
         debug_push_delay=max(0.0, float(extra.get("debug_push_delay", 0.0))),
         debug_hold=extra.get("debug_hold", False) is True,
+        secret=_secret(opts.get("secret"), env),
     )
 
 
-def requires_layerwise(extra: Mapping[str, Any] | None) -> bool:
-    """Whether an instance with this extra config puts from ``save_kv_layer`` (push mode)."""
+def _secret(option: Any, env: Mapping[str, str]) -> bytes | None:
+    """The kvtransport core's rule: ``backend_options.secret``, else KV_TRANSPORT_SECRET; empty means none."""
+    raw = option if option is not None else env.get("KV_TRANSPORT_SECRET")
+    if not raw:
+        return None
+    return raw.encode() if isinstance(raw, str) else bytes(raw)
+
+
+def requires_layerwise(extra: Mapping[str, Any] | None, role: str | None = None) -> bool:
+    """Whether an instance with this extra config and ``kv_role`` puts from ``save_kv_layer``: a producer (or
+    kv_both, or an unknown role) in push mode. A ``kv_consumer`` never does."""
+    if role == "kv_consumer":
+        return False
     try:
         return resolve_settings(extra).mode == "push"
     except ValueError:

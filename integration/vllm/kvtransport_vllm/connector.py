@@ -13,18 +13,20 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+from vllm.logger import init_logger
+
+from . import __version__
+from .compat import (
+    P2P_CACHE_HIT_SOURCE,
+    REPORTS_FAILED_RECVING,
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    role_of_extra_config,
 )
-from vllm.logger import init_logger
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
-
-from . import __version__
 from .config import requires_layerwise, resolve_settings
 from .metadata import SendFailure, StepPlan
 from .scheduler import SchedulerSide
@@ -94,7 +96,8 @@ def _compat_fields(vllm_config: VllmConfig, model_id: str | None) -> dict[str, A
 class KVTransportConnector(KVConnectorBase_V1):
     """See the module docstring. vLLM constructs one per role and process."""
 
-    _cache_hit_source = CacheHitSource.P2P
+    if P2P_CACHE_HIT_SOURCE is not None:  # vLLM 0.32+: decode prompt tokens counted as "p2p" hits
+        _cache_hit_source = P2P_CACHE_HIT_SOURCE
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
@@ -105,6 +108,7 @@ class KVTransportConnector(KVConnectorBase_V1):
         self.engine_id = str(ktc.engine_id)
         self._sched: SchedulerSide | None = None
         self._worker: Any = None
+        self._load_errors: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
             if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
                 raise ValueError("KVTransportConnector supports models with one KV cache group only")
@@ -123,13 +127,16 @@ class KVTransportConnector(KVConnectorBase_V1):
                 rank = get_tensor_model_parallel_rank()
             except Exception:  # parallel state not initialised (unit tests)
                 rank = 0
-            self._worker = WorkerSide(settings=self.settings, engine_id=self.engine_id, tp_rank=rank)
+            num_blocks = getattr(kv_cache_config, "num_blocks", None) or vllm_config.cache_config.num_gpu_blocks
+            self._worker = WorkerSide(settings=self.settings, engine_id=self.engine_id, tp_rank=rank,
+                                      num_blocks=num_blocks)
 
     # ------------------------------------------------------------------ class-level
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        """True in push mode: puts are issued from ``save_kv_layer``, which a full CUDA graph would skip."""
-        return requires_layerwise(extra_config)
+        """True for a producer (or kv_both) in push mode: its puts are issued from ``save_kv_layer``, which a
+        full CUDA graph would skip. A decode (``kv_consumer``) never puts, so it keeps full CUDA graphs."""
+        return requires_layerwise(extra_config, role_of_extra_config(extra_config))
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -173,14 +180,23 @@ class KVTransportConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         self._worker.wait_for_save()
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        r = self._worker.transfer_results()
-        return KVConnectorTransferResults(finished_sending=r.finished_sending, finished_recving=r.finished_recving,
-                                          failed_recving=r.failed_recving)
+    if REPORTS_FAILED_RECVING:  # vLLM 0.32+
+        def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+            r = self._worker.transfer_results()
+            return KVConnectorTransferResults(finished_sending=r.finished_sending,
+                                              finished_recving=r.finished_recving, failed_recving=r.failed_recving)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        r = self.get_transfer_results(finished_req_ids)
+        """vLLM before 0.32 (0.32+ asks :meth:`get_transfer_results`): a failed receive is reported finished
+        here and its blocks by :meth:`get_block_ids_with_load_errors` in the same step."""
+        r = self._worker.transfer_results()
+        if not REPORTS_FAILED_RECVING:
+            self._load_errors |= self._worker.blocks_of(r.failed_recving)
         return r.finished_sending or None, r.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         fails = self._worker.take_send_failures() if self._worker is not None else []
@@ -202,6 +218,10 @@ class KVTransportConnector(KVConnectorBase_V1):
         if self._sched is not None:
             self._sched.set_worker_metadata({int(r): m.data for r, m in metadata.items()
                                              if isinstance(m, KVTransportHandshake)})
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        if self._sched is not None:
+            self._sched.bind_gpu_block_pool(gpu_block_pool)
 
     def on_new_request(self, request: Request) -> None:
         if self._sched is not None:

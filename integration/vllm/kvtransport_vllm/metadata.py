@@ -42,6 +42,8 @@ class StepPlan:
     """Prefill requests that get no further pushes: report them finished_sending once flushed."""
     recv_start: dict[str, float] = field(default_factory=dict)
     """Decode requests now waiting for KV -> seconds they may wait."""
+    recv_blocks: dict[str, list[int]] = field(default_factory=dict)
+    """Decode requests now waiting for KV -> the blocks their KV lands in (reported if the receive fails)."""
     recv_abort: list[str] = field(default_factory=list)
     """Decode requests aborted while waiting: stop accepting their data, report finished_recving."""
     recv_fail: dict[str, str] = field(default_factory=dict)

@@ -1,14 +1,24 @@
 """The connector's scheduler-to-scheduler side channel: versioned, length-prefixed JSON messages.
 
-A decode scheduler (client) connects to a prefill scheduler (server) and sends ``hello`` with its engine id,
-its compatibility hash and its workers' kvtransport metadata; the server answers ``welcome`` or ``refuse``
-(with the first differing field). Then the client sends ``dst`` (destination blocks of a transfer) and
-``cancel`` messages, the server sends ``fail`` messages back. Pure Python, no vLLM import.
+Handshake (both sides prove ``KV_TRANSPORT_SECRET`` when it is set, with the core's HMAC, ``kvtransport.wire``)::
+
+    server -> client  {"type": "challenge", "version", "nonce": server nonce}          (nothing else)
+    client -> server  sealed hello  {"type": "hello", "body": JSON, "auth": HMAC(secret, server nonce, body)}
+                      body: engine id, compatibility hash, its workers' kvtransport metadata, a client nonce
+    server -> client  sealed welcome (HMAC over the client nonce: the server proves it too), or
+                      {"type": "refuse", "reason"}: a peer that did not prove the secret gets ``REFUSED`` and
+                      nothing else; an authenticated incompatible one the *names* of the differing fields
+
+Before it proves the secret a peer may send one frame of at most ``MAX_HELLO`` bytes within the handshake
+timeout. Then the client sends ``dst`` / ``cancel`` / ``renew`` messages (checked by :func:`check_message`;
+a malformed one is dropped, the connection stays), the server sends ``fail`` and ``ready``.
+Pure Python, no vLLM import.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import json
 import socket
@@ -16,13 +26,32 @@ import struct
 from collections.abc import Mapping
 from typing import Any
 
-PROTOCOL_VERSION = 1
+from kvtransport import wire
+from kvtransport.errors import KVTransportError
+
+PROTOCOL_VERSION = 2
 MAX_MESSAGE = 64 << 20
+MAX_HELLO = 4 << 20
+"""Bytes an unauthenticated peer may send (its one hello frame, carrying its workers' metadata)."""
+MAX_IDS = 4096
+"""Destinations, sequence ids or transfer ids in one message."""
+MAX_BLOCKS = 1 << 20
+"""Block ids in one destination."""
+MAX_ID_CHARS = 512
+REFUSED = "refused: this peer did not prove KV_TRANSPORT_SECRET (set the same secret on both sides)"
 _HEADER = struct.Struct("!I")
 
 
 class ProtocolFailure(Exception):
     """Malformed or oversized side-channel data, or a closed connection."""
+
+
+class MalformedMessage(ProtocolFailure):
+    """One well-framed message that is not valid: the stream is still in sync, the message is dropped."""
+
+
+class AuthFailure(ProtocolFailure):
+    """The peer did not prove the shared secret."""
 
 
 def send_message(sock: socket.socket, msg: Mapping[str, Any]) -> None:
@@ -43,26 +72,144 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def recv_message(sock: socket.socket) -> dict[str, Any]:
-    """Read one message (blocking; the socket's timeout applies). Raises ProtocolFailure or OSError."""
+def recv_message(sock: socket.socket, limit: int = MAX_MESSAGE) -> dict[str, Any]:
+    """Read one message of at most ``limit`` bytes (blocking; the socket's timeout applies). Raises
+    MalformedMessage (frame consumed: the stream is in sync), ProtocolFailure (oversized: not read) or OSError."""
     (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    if size > MAX_MESSAGE:
-        raise ProtocolFailure(f"peer announced a {size}-byte message (limit {MAX_MESSAGE})")
+    if size > limit:
+        raise ProtocolFailure(f"peer announced a {size}-byte message (limit {limit})")
+    return parse_message(_recv_exact(sock, size))
+
+
+def parse_message(raw: bytes | str) -> dict[str, Any]:
+    """A JSON object with a string ``type``. Raises MalformedMessage."""
     try:
-        msg = json.loads(_recv_exact(sock, size))
+        msg = json.loads(raw)
     except ValueError as exc:
-        raise ProtocolFailure(f"malformed message: {exc}") from None
+        raise MalformedMessage(f"malformed message: {exc}") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
-        raise ProtocolFailure("message is not an object with a 'type'")
+        raise MalformedMessage("message is not an object with a 'type'")
     return msg
+
+
+def new_nonce() -> bytes:
+    import secrets
+
+    return secrets.token_bytes(16)
+
+
+def parse_nonce(value: Any) -> bytes:
+    """A peer's nonce (hex, 16 to 64 bytes). Raises ProtocolFailure."""
+    try:
+        nonce = bytes.fromhex(value) if isinstance(value, str) else b""
+    except ValueError:
+        nonce = b""
+    if not 16 <= len(nonce) <= 64:
+        raise ProtocolFailure("malformed nonce")
+    return nonce
+
+
+def seal(msg: Mapping[str, Any], secret: bytes | None, nonce: bytes) -> dict[str, Any]:
+    """``msg`` wrapped with its HMAC over the peer's ``nonce`` (``auth`` None without a secret)."""
+    body = json.dumps(msg, separators=(",", ":"))
+    return {"type": msg["type"], "body": body,
+            "auth": wire.auth_tag(secret, nonce, body.encode()) if secret is not None else None}
+
+
+def unseal(frame: Mapping[str, Any], secret: bytes | None, nonce: bytes) -> dict[str, Any]:
+    """The message inside a sealed ``frame``. Raises AuthFailure when a secret is set and the HMAC over our
+    ``nonce`` is wrong or missing (checked before the body is parsed), MalformedMessage for a bad body."""
+    body = frame.get("body")
+    if not isinstance(body, str):
+        raise AuthFailure("unsealed frame") if secret is not None else MalformedMessage("frame without body")
+    if secret is not None and not wire.auth_ok(secret, nonce, body.encode(), frame.get("auth")):
+        raise AuthFailure("wrong or missing HMAC")
+    msg = parse_message(body)
+    if msg["type"] != frame.get("type"):
+        raise MalformedMessage("sealed type differs from the frame's")
+    return msg
+
+
+def _ident(value: Any, what: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise MalformedMessage(f"{what} must be a string or an integer")
+    text = str(value)
+    if not 0 < len(text) <= MAX_ID_CHARS:
+        raise MalformedMessage(f"{what} must have 1 to {MAX_ID_CHARS} characters")
+    return text
+
+
+def _count(value: Any, what: str, limit: int = 1 << 62) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
+        raise MalformedMessage(f"{what} must be an integer in [0, {limit})")
+    return value
+
+
+def _items(value: Any, what: str, limit: int = MAX_IDS) -> list[Any]:
+    if not isinstance(value, list) or len(value) > limit:
+        raise MalformedMessage(f"{what} must be a list of at most {limit} items")
+    return value
+
+
+def check_message(msg: Mapping[str, Any]) -> dict[str, Any]:
+    """A decode's ``dst`` / ``cancel`` / ``renew`` message with every field checked (types, ranges, sizes) and
+    normalised (ids as strings). Raises MalformedMessage; called on the server's reader thread, so nothing
+    malformed reaches the scheduler."""
+    mtype = msg.get("type")
+    mode = msg.get("mode")
+    if mode is not None and mode not in ("push", "pull"):
+        raise MalformedMessage("mode must be 'push' or 'pull'")
+    if mtype == "renew":
+        return {"type": "renew", "xfers": [_ident(x, "xfer") for x in _items(msg.get("xfers"), "xfers")]}
+    xfer = _ident(msg.get("xfer"), "xfer")
+    if mtype == "dst":
+        dsts = []
+        for d in _items(msg.get("dsts"), "dsts"):
+            if not isinstance(d, dict):
+                raise MalformedMessage("a destination must be an object")
+            blocks = [_count(b, "block id", 1 << 40) for b in _items(d.get("blocks"), "blocks", MAX_BLOCKS)]
+            dsts.append({"seq": _ident(d.get("seq"), "seq"), "blocks": blocks,
+                         "offset": _count(d.get("offset", 0), "offset", 1 << 40)})
+        return {"type": "dst", "xfer": xfer, "mode": mode, "dsts": dsts}
+    if mtype == "cancel":
+        return {"type": "cancel", "xfer": xfer, "mode": mode,
+                "seqs": [_ident(s, "seq") for s in _items(msg.get("seqs", []), "seqs")],
+                "count": _count(msg.get("count", 0), "count", MAX_IDS)}
+    raise MalformedMessage(f"unknown message type {str(mtype)[:32]!r}")
+
+
+def check_hello(hello: Mapping[str, Any]) -> dict[str, Any]:
+    """A decode's hello with its workers' metadata decoded and validated by the core's own
+    ``kvtransport.wire.decode_metadata`` (what ``connect()`` would reject is rejected here, before the
+    scheduler keeps it): ``workers`` becomes ``{rank: metadata bytes}``. Raises MalformedMessage."""
+    out = dict(hello)
+    out["engine_id"] = _ident(hello.get("engine_id"), "engine_id")
+    tp = hello.get("tp_size", 1)
+    out["tp_size"] = _count(tp, "tp_size", 1025) if tp is not None else 1
+    raw = hello.get("workers") or {}
+    if not isinstance(raw, dict) or len(raw) > 1024:
+        raise MalformedMessage("workers must be an object of at most 1024 ranks")
+    workers: dict[int, bytes] = {}
+    for rank, meta in raw.items():
+        try:
+            r = int(rank)
+            data = base64.b64decode(meta.encode(), validate=True) if isinstance(meta, str) else None
+        except (ValueError, binascii.Error):
+            raise MalformedMessage(f"worker {str(rank)[:16]!r}: bad rank or base64") from None
+        if data is None or not 0 <= r < 1024:
+            raise MalformedMessage(f"worker {str(rank)[:16]!r}: bad rank or metadata")
+        try:
+            wire.decode_metadata(data)
+        except KVTransportError as exc:
+            raise MalformedMessage(f"worker {r}: {exc}") from None
+        workers[r] = data
+    out["workers"] = workers
+    return out
 
 
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
-
-def unb64(text: str) -> bytes:
-    return base64.b64decode(text.encode())
 
 
 def compat_hash(info: Mapping[str, Any]) -> str:
@@ -71,8 +218,10 @@ def compat_hash(info: Mapping[str, Any]) -> str:
     return hashlib.sha256(blob).hexdigest()[:32]
 
 
-def describe_mismatch(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> str:
-    """The differing compatibility fields, in words."""
+def describe_mismatch(ours: Mapping[str, Any], theirs: Mapping[str, Any], values: bool = True) -> str:
+    """The differing compatibility fields, in words (with both sides' values, or only their names)."""
     keys = sorted(set(ours) | set(theirs))
+    if not values:
+        return ", ".join(k for k in keys if ours.get(k) != theirs.get(k)) or "hashes differ"
     diffs = [f"{k}: ours={ours.get(k)!r} peer={theirs.get(k)!r}" for k in keys if ours.get(k) != theirs.get(k)]
     return "; ".join(diffs) or "hashes differ"

@@ -7,7 +7,12 @@ round-robin and sends both requests *at once*: the decode request carries the pr
 address, so the decode side allocates its blocks and sends their ids to the prefill side while (or before)
 the prompt is computed; the prefill request (``max_tokens=1``) carries the transfer id and the fan-out
 (``n``). The decode answer (streamed or not) is relayed to the client. The prefill engine's side-channel
-address is learned once per instance with a one-token discovery request.
+address is learned with a one-token discovery request, and re-learned: from every prefill response (its
+``remote_host`` / ``remote_port``), after any failure of that instance (the cache is dropped), and, when
+cached longer than ``REVALIDATE_AFTER_S``, by a TCP connect (``PROBE_TIMEOUT_S``) before it is handed out.
+A prefill that fails (discovery, probe or request) leaves the rotation for a backoff of ``BACKOFF_MIN_S``
+doubling to ``BACKOFF_MAX_S``; a request that picked it goes to the next live prefill instead (a prefill
+that restarted on a new side-channel port is found again at its next use).
 
 Pull mode (``--mode pull``): the order of vLLM's toy proxy (prefill first, its ``kv_transfer_params`` handed
 to decode), with NixlConnector's keys.
@@ -23,6 +28,7 @@ import contextlib
 import copy
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -37,6 +43,11 @@ log = logging.getLogger("kvtransport.proxy")
 
 CONNECT_TIMEOUT_S = 10.0
 """Bound on connecting to an instance, sending a request and waiting for a pooled connection."""
+REVALIDATE_AFTER_S = 5.0
+"""A side-channel address cached longer than this is checked (TCP connect) before it is handed out."""
+PROBE_TIMEOUT_S = 1.0
+BACKOFF_MIN_S, BACKOFF_MAX_S = 1.0, 30.0
+"""A failed prefill leaves the rotation this long (doubling per consecutive failure, capped)."""
 
 
 @dataclass
@@ -46,13 +57,38 @@ class Instance:
     url: str
     client: httpx.AsyncClient
     side: dict[str, Any] | None = None
+    side_checked: float = 0.0  # when ``side`` was learned or last found reachable (monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    failures: int = 0  # consecutive
+    down_until: float = 0.0
+
+    def mark_down(self, why: object) -> None:
+        """This instance failed: forget its side channel, keep it out of the rotation for a bounded backoff."""
+        self.failures += 1
+        backoff = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** min(self.failures - 1, 16))
+        self.down_until = time.monotonic() + backoff
+        self.side = None
+        log.warning("instance %s failed (%s): out of rotation for %gs", self.url, why, backoff)
+
+    def learn(self, params: dict[str, Any] | None) -> None:
+        """A successful answer: back in rotation; its ``remote_host/port/engine_id`` refresh the cache."""
+        self.failures, self.down_until = 0, 0.0
+        params = params or {}
+        host, port, engine = params.get("remote_host"), params.get("remote_port"), params.get("remote_engine_id")
+        if host and isinstance(port, int) and engine:
+            side = {"kvt_host": host, "kvt_port": port, "kvt_engine_id": engine}
+            if self.side is not None and {k: self.side.get(k) for k in side} != side:
+                log.info("prefill %s: side channel moved to %s:%s (engine %s)", self.url, host, port, engine)
+            self.side = {**(self.side or {}), **side}
+            self.side_checked = time.monotonic()
 
 
 class Proxy:
     """Round-robin P/D routing (see module docstring). One per process; used from the event loop only."""
 
-    def __init__(self, prefill: list[str], decode: list[str], mode: str = "push", timeout: float | None = None) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], mode: str = "push", timeout: float | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        """``transport``: the httpx transport for every instance (tests pass fakes; default: the network)."""
         if not prefill or not decode:
             raise ValueError("need at least one --prefill and one --decode URL")
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -63,7 +99,7 @@ class Proxy:
 
         def mk(url: str) -> Instance:
             base = url.rstrip("/")
-            return Instance(base, httpx.AsyncClient(base_url=base, timeout=bounds, limits=limits))
+            return Instance(base, httpx.AsyncClient(base_url=base, timeout=bounds, limits=limits, transport=transport))
 
         self.prefill = [mk(u) for u in prefill]
         self.decode = [mk(u) for u in decode]
@@ -77,7 +113,29 @@ class Proxy:
             await inst.client.aclose()
 
     def pick(self) -> tuple[Instance, Instance]:
-        return self.prefill[next(self._p)], self.decode[next(self._d)]
+        return self.pick_prefill(), self.decode[next(self._d)]
+
+    def pick_prefill(self) -> Instance:
+        """The next prefill in rotation that is not backing off (all backing off: the one free soonest)."""
+        now = time.monotonic()
+        for _ in self.prefill:
+            inst = self.prefill[next(self._p)]
+            if inst.down_until <= now:
+                return inst
+        return min(self.prefill, key=lambda i: i.down_until)
+
+    @staticmethod
+    async def reachable(side: dict[str, Any]) -> bool:
+        """Whether the side channel at ``side`` accepts a TCP connection within PROBE_TIMEOUT_S."""
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(side["kvt_host"], side["kvt_port"]),
+                                               PROBE_TIMEOUT_S)
+        except (TimeoutError, OSError):
+            return False
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return True
 
     async def model_name(self, inst: Instance) -> str:
         if self._model is None:
@@ -87,8 +145,16 @@ class Proxy:
         return self._model
 
     async def discover(self, inst: Instance, headers: dict[str, str]) -> dict[str, Any]:
-        """The prefill engine's side-channel address (cached; a one-token request the first time)."""
+        """The prefill engine's side-channel address (cached, re-validated when older than REVALIDATE_AFTER_S;
+        a one-token request when unknown). Raises httpx.HTTPError or RuntimeError; the caller marks it down."""
         async with inst.lock:
+            if inst.side is not None and time.monotonic() - inst.side_checked > REVALIDATE_AFTER_S:
+                if await self.reachable(inst.side):
+                    inst.side_checked = time.monotonic()
+                else:
+                    log.info("prefill %s: side channel %s:%s unreachable; asking it again", inst.url,
+                             inst.side["kvt_host"], inst.side["kvt_port"])
+                    inst.side = None
             if inst.side is None:
                 body = {"model": await self.model_name(inst), "prompt": [1], "max_tokens": 1, "temperature": 0,
                         "kv_transfer_params": {"do_remote_decode": True, "kvt_discover": True}}
@@ -98,7 +164,7 @@ class Proxy:
                 if "kvt_port" not in params:
                     raise RuntimeError(f"{inst.url} did not answer the discovery request: is it a kv_producer "
                                        "running KVTransportConnector?")
-                inst.side = params
+                inst.side, inst.side_checked = params, time.monotonic()
                 log.info("prefill %s: side channel %s:%s (engine %s)", inst.url, params["kvt_host"],
                          params["kvt_port"], params["kvt_engine_id"])
             return inst.side
@@ -128,7 +194,18 @@ class Proxy:
         n = int(body.get("n") or 1)
         prefill_task: asyncio.Task[Any] | None = None
         if self.mode == "push":
-            side = await self.discover(p, headers)
+            side = None
+            for attempt in range(len(self.prefill)):
+                if attempt:
+                    p = self.pick_prefill()
+                try:
+                    side = await self.discover(p, headers)
+                    break
+                except (httpx.HTTPError, RuntimeError, KeyError, ValueError) as exc:
+                    p.mark_down(exc)
+            if side is None:
+                return JSONResponse({"error": "no prefill instance reachable: " + ", ".join(i.url for i in self.prefill)},
+                                    status_code=503)
             pbody = self.prefill_body(body, {"do_remote_decode": True, "do_remote_prefill": False,
                                              "kvt_xfer": xfer, "kvt_fanout": n})
             dbody = copy.deepcopy(body)
@@ -169,11 +246,16 @@ class Proxy:
             r = await inst.client.post(api, json=body, headers=headers)
         except httpx.HTTPError as exc:
             log.error("prefill %s failed: %s", inst.url, exc)
+            inst.mark_down(exc)
             return JSONResponse({"error": f"prefill instance {inst.url} failed: {exc}"}, status_code=502)
         if r.status_code != 200:
             log.error("prefill %s answered %d: %s", inst.url, r.status_code, r.text[:500])
+            if r.status_code >= 500:
+                inst.mark_down(f"HTTP {r.status_code}")
             return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
-        return r.json()
+        out = r.json()
+        inst.learn(out.get("kv_transfer_params") if isinstance(out, dict) else None)
+        return out
 
 
 def build_app(proxy: Proxy) -> FastAPI:

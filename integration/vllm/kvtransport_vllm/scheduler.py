@@ -24,13 +24,13 @@ import logging
 import queue
 import re
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 from .config import ConnectorSettings
 from .metadata import Push, SendFailure, StepPlan
-from .protocol import PROTOCOL_VERSION, b64, compat_hash, unb64
+from .protocol import PROTOCOL_VERSION, b64, compat_hash
 from .sidechannel import PeerClient, SideChannelServer
 
 log = logging.getLogger("vllm.kvtransport")
@@ -82,6 +82,13 @@ class _Source:
     registered: float = field(default_factory=time.monotonic)
     holders: set[str] = field(default_factory=set)  # decode engines that asked for (renewed) this transfer
     debug_delay: bool = False
+    considered: float | None = None  # when the prefill scheduler first wanted to run it (admission wait start)
+    ready_sent: set[str] = field(default_factory=set)  # decode engines told "ready" for this transfer
+    wait_done: bool = False  # its admission wait was recorded (it ran)
+
+    def destinations_known(self) -> bool:
+        """Every expected destination arrived (or was cancelled): layer-wise push can start."""
+        return len(self.dsts) + self.cancels >= self.fanout
 
     def served(self) -> bool:
         """No further destinations are expected."""
@@ -131,7 +138,7 @@ class SchedulerSide:
         if producer:
             self.server = SideChannelServer(self.host, settings.side_channel_port, engine_id, self.compat,
                                             self.inbox, settings.connect_timeout, lease=settings.lease,
-                                            answer_now=self._answer_now)
+                                            answer_now=self._answer_now, secret=settings.secret)
             self.port = self.server.port
             log.info("kvtransport connector: side channel of engine %s on %s:%d", engine_id, self.host, self.port)
         else:
@@ -149,7 +156,9 @@ class SchedulerSide:
         self.family_asked: dict[str, int] = {}
         self.peer_workers: dict[str, dict[int, bytes]] = {}
         self.holds: dict[str, tuple[float, set[str]]] = {}  # xfer -> (expiry, engines): renewed before registered
-        self.counters: dict[str, int] = {"lease_expirations": 0, "decode_disconnects": 0}
+        self.counters: dict[str, int] = {"lease_expirations": 0, "decode_disconnects": 0, "dst_wait_timeouts": 0}
+        self.foreign_refused = 0  # dst / cancel naming another decode engine's request (log and tests)
+        self.dst_waits: list[float] = []  # seconds prefill requests waited for their destinations (stats)
         self._new_peers: set[str] = set()
         self._releases: list[str] = []
         self._whole: list[Push] = []
@@ -159,10 +168,16 @@ class SchedulerSide:
         self.consumed: set[str] = set()
         self._outgoing: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
         self._recv_start: dict[str, float] = {}
+        self._recv_blocks: dict[str, list[int]] = {}
         self._recv_abort: list[str] = []
         self._recv_fail: dict[str, str] = {}
         self.wanted: dict[str, tuple[str, tuple[str, int]]] = {}  # decode req -> (xfer, prefill addr) not landed
         self._last_renew = 0.0
+        self.arrived: dict[str, float] = {}  # decode push-flow req -> when it arrived (admission bound)
+        self.ready_xfers: OrderedDict[str, float] = OrderedDict()  # transfers a prefill said it is about to run
+        self.doomed: dict[str, str] = {}  # decode req -> why its KV cannot come (admitted only to fail)
+        self.block_pool: Any = None  # vLLM's block pool (bind_gpu_block_pool): usage decides eager admission
+        self._gauges_sent: dict[str, int] = {}  # gauge values last reported in stats
 
     # ------------------------------------------------------------------ compatibility
     def set_worker_metadata(self, meta: dict[int, dict[str, Any]]) -> None:
@@ -207,11 +222,14 @@ class SchedulerSide:
             xfer = params.get("kvt_xfer") or params.get("remote_request_id")
             if addr is not None and xfer:
                 self.wanted[request.request_id] = (str(xfer), addr)
+                self.arrived[request.request_id] = time.monotonic()
                 self._outgoing[addr].append({"type": "renew", "xfers": [str(xfer)]})
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Decode: claim the rest of the prompt for remote KV ``(n, True)``. Prefill: ``(None, False)`` while
-        waiting up to ``dst_wait`` for destinations (layer-wise push), else ``(0, False)``. Side-effect free."""
+        """Decode: claim the rest of the prompt for remote KV ``(n, True)`` once admitted (:meth:`_admit_now`),
+        ``(None, False)`` until then. Prefill: ``(None, False)`` while waiting up to ``dst_wait`` for the
+        destinations of a push-flow request (layer-wise push needs them before the first layer), else
+        ``(0, False)``. Never changes a request; may read the side channel's inbox (idempotent)."""
         params = request.kv_transfer_params
         kind = transfer_params_kind(params)
         if kind == "decode" and self.consumer:
@@ -220,13 +238,77 @@ class SchedulerSide:
             if self.settings.debug_hold and params.get("kvt_debug_hold") is True:
                 return None, False  # test-only (debug_hold): never admitted; the lease is still renewed
             count = request.num_prompt_tokens - num_computed_tokens
-            return (count, True) if count > 0 else (0, False)
-        if kind == "prefill" and self.producer and self.settings.dst_wait > 0:
-            src = self.src_by_req.get(request.request_id)
-            if (src is not None and src.mode == "push" and not src.dsts and self.settings.mode == "push"
-                    and src.failed is None                    and time.monotonic() - src.registered < self.settings.dst_wait):
-                return None, False
+            if count <= 0:
+                return 0, False
+            return (count, True) if self._admit_now(request.request_id, params) else (None, False)
+        if kind == "prefill" and self.producer and self._waits_for_destinations(request.request_id):
+            return None, False
         return 0, False
+
+    def bind_gpu_block_pool(self, block_pool: Any) -> None:
+        """vLLM's block pool: its usage decides whether a decode admits push-flow requests at once."""
+        self.block_pool = block_pool
+
+    def _kv_usage(self) -> float:
+        try:
+            return float(self.block_pool.get_usage()) if self.block_pool is not None else 0.0
+        except Exception:  # a pool without get_usage: treat as empty
+            return 0.0
+
+    def _admit_now(self, rid: str, params: dict[str, Any]) -> bool:
+        """Decode: whether to allocate ``rid``'s blocks now. Pull-flow KV exists already: yes. Push flow: yes
+        while the cache is below ``admit_below`` used, or once the prefill said it is about to compute the
+        request (``ready``); also when the KV cannot come any more (the request is then admitted only to take
+        vLLM's failure path: an unallocated request cannot fail otherwise)."""
+        xfer = params.get("kvt_xfer")
+        if not xfer:
+            return True
+        xfer = str(xfer)
+        if rid in self.doomed or xfer in self.ready_xfers or self._kv_usage() < self.settings.admit_below:
+            return True
+        now = time.monotonic()
+        self._drain_inbox(now)
+        if rid in self.doomed or xfer in self.ready_xfers:
+            return True
+        addr = self._peer_addr(params)
+        client = self.clients.get(addr) if addr is not None else None
+        if client is not None and client.dead:
+            self.doomed[rid] = f"prefill side channel unusable: {client.error}"
+        elif now - self.arrived.get(rid, now) > self.settings.transfer_timeout:
+            self.doomed[rid] = (f"the prefill did not start transfer {xfer} within {self.settings.transfer_timeout:g}s "
+                                "(admit_below: this decode waited for its go-ahead)")
+        return rid in self.doomed
+
+    def _waits_for_destinations(self, rid: str) -> bool:
+        """Prefill: whether push-flow request ``rid`` should wait (bounded by ``dst_wait``) for its decode's
+        destination blocks before it runs. Tells the decodes that hold the transfer to allocate now."""
+        src = self.src_by_req.get(rid)
+        if (src is None or src.mode != "push" or self.settings.mode != "push" or src.failed is not None
+                or src.complete or src.wait_done):
+            return False
+        now = time.monotonic()
+        if src.considered is None:
+            src.considered = now
+        if not src.destinations_known():
+            self._drain_inbox(now)
+        if not src.destinations_known() and self.settings.dst_wait > 0:
+            self._send_ready(src)
+            if now - src.considered < self.settings.dst_wait:
+                return True
+            self.counters["dst_wait_timeouts"] += 1
+            log.warning("kvtransport: prefill request %s (transfer %s) runs without its destination after "
+                        "waiting %gs (dst_wait); its KV goes after the forward", rid, src.xfer, self.settings.dst_wait)
+        src.wait_done = True
+        self.dst_waits.append(now - src.considered)
+        return False
+
+    def _send_ready(self, src: _Source) -> None:
+        """Tell each decode engine holding ``src``'s transfer (and not told yet) that it may allocate now."""
+        if self.server is None:
+            return
+        for engine in src.holders - src.ready_sent:
+            if self.server.send(engine, {"type": "ready", "xfers": [src.xfer]}):
+                src.ready_sent.add(engine)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Decode: record the allocated destination blocks and queue them for the prefill side."""
@@ -242,17 +324,26 @@ class SchedulerSide:
             return
         rid = request.request_id
         self.consumed.add(rid)
+        self.arrived.pop(rid, None)
         xfer = str(params.get("kvt_xfer") or params.get("remote_request_id"))
         mode = "push" if params.get("kvt_xfer") else "pull"
-        if num_external_tokens <= 0:
-            # everything was found locally: tell the prefill side not to wait for us
+        doomed = self.doomed.pop(rid, None)
+        if num_external_tokens <= 0 or doomed is not None:
+            # everything was found locally (or the KV cannot come): tell the prefill side not to wait for us
             self._outgoing[addr].append({"type": "cancel", "xfer": xfer, "seqs": [], "count": 1, "mode": mode})
-            return
+            if num_external_tokens <= 0:
+                return
         all_ids = list(blocks.get_block_ids()[0])
         unhashed = list(blocks.get_unhashed_block_ids())
         offset = len(all_ids) - len(unhashed)
         self.recvs[rid] = _Recv(rid, xfer, addr, time.monotonic())
         self._recv_start[rid] = self.settings.transfer_timeout
+        self._recv_blocks[rid] = unhashed
+        if doomed is not None:
+            log.warning("kvtransport: KV for %s will not come: %s", rid, doomed)
+            self._recv_fail[rid] = doomed
+            self.wanted.pop(rid, None)
+            return
         self._outgoing[addr].append({"type": "dst", "xfer": xfer, "mode": mode,
                                      "dsts": [{"seq": rid, "blocks": unhashed, "offset": offset}]})
 
@@ -337,6 +428,7 @@ class SchedulerSide:
         if self.consumer:
             self._renew(now)
             plan.recv_start, self._recv_start = self._recv_start, {}
+            plan.recv_blocks, self._recv_blocks = self._recv_blocks, {}
             plan.recv_abort, self._recv_abort = self._recv_abort, []
             plan.recv_fail, self._recv_fail = self._recv_fail, {}
             self._flush_outgoing()
@@ -411,7 +503,7 @@ class SchedulerSide:
             kind = ev[0]
             if kind == "hello":
                 _, engine, hello = ev
-                workers = {int(r): unb64(m) for r, m in (hello.get("workers") or {}).items()}
+                workers = hello["workers"]  # rank -> metadata bytes, validated by the side channel (check_hello)
                 if hello.get("tp_size", 1) != self.tp_size:
                     log.error("decode engine %s has tp_size %s, ours %s: only equal TP sizes are supported",
                               engine, hello.get("tp_size"), self.tp_size)
@@ -433,6 +525,14 @@ class SchedulerSide:
                         log.warning("kvtransport: %s loses its prefill: %s", rid, reason)
                         self._recv_fail[rid] = PREFILL_LOST + str(reason)
                         self.wanted.pop(rid, None)
+                for rid, (_, waddr) in self.wanted.items():  # not allocated yet: admitted only to fail
+                    if waddr == tuple(addr) and rid not in self.recvs and rid not in self.consumed:
+                        self.doomed[rid] = PREFILL_LOST + str(reason)
+            elif kind == "ready":
+                for xfer in ev[2]:
+                    self.ready_xfers[str(xfer)] = now
+                while len(self.ready_xfers) > 4096:
+                    self.ready_xfers.popitem(last=False)
         # destinations waiting for a prefill request that never came
         for xfer in [x for x, (dl, _, _) in self.orphans.items() if dl <= now]:
             _, dsts, _ = self.orphans.pop(xfer)
@@ -442,7 +542,7 @@ class SchedulerSide:
         for xfer in [x for x, (dl, _) in self.holds.items() if dl <= now]:
             del self.holds[xfer]
 
-    def _answer_now(self, msg: dict[str, Any]) -> dict[str, Any] | None:
+    def _answer_now(self, engine: str, msg: dict[str, Any]) -> dict[str, Any] | None:
         """Side-channel reader thread: a destination for a transfer this prefill already freed is refused at
         once — an idle engine would only see it at its next step (minutes, or the decode's timeout). Reads
         ``gone``/``sources`` only (a freed transfer never comes back); everything else goes to the inbox."""
@@ -457,20 +557,39 @@ class SchedulerSide:
         if not seqs:
             return None
         log.warning("kvtransport: transfer %s to %s failed: prefill cannot serve transfer %s: %s", seqs,
-                    msg.get("engine", "a decode"), xfer, why)
+                    engine, xfer, why)
         return {"type": "fail", "seqs": seqs, "reason": f"prefill cannot serve transfer {xfer}: {why}"}
 
+    def _foreign(self, engine: str, xfer: str, seqs: list[str]) -> set[str]:
+        """Of ``seqs``, those another decode engine registered for ``xfer``: ``engine`` may not act on them."""
+        src = self.sources.get(xfer)
+        known = (src.dsts if src is not None else []) + (self.orphans[xfer][1] if xfer in self.orphans else [])
+        theirs = {d.seq for d in known if d.engine != engine} & set(seqs)
+        if theirs:
+            self.foreign_refused += len(theirs)
+            log.warning("kvtransport: decode engine %s named requests %s of transfer %s that another engine "
+                        "owns; refused", engine, sorted(theirs)[:8], xfer)
+        return theirs
+
     def _on_message(self, engine: str, msg: dict[str, Any], now: float) -> None:
+        """A checked (``protocol.check_message``) message from decode ``engine``. Ownership: a decode request
+        (``seq``) belongs to the engine that first sent its destination; another engine's dst or cancel naming
+        it is refused, and a count-cancel needs the sender to hold the transfer (when anyone holds it)."""
         mtype = msg.get("type")
         xfer = str(msg.get("xfer"))
         src = self.sources.get(xfer)
-        if mtype in ("dst", "renew"):
-            self._renewed(engine, [xfer] if mtype == "dst" else [str(x) for x in msg.get("xfers", [])], now)
         if mtype == "renew":
+            self._renewed(engine, [str(x) for x in msg.get("xfers", [])], now)
             return
         if mtype == "dst":
-            dsts = [_Dst(engine, str(d["seq"]), [int(b) for b in d["blocks"]], int(d.get("offset", 0)))
-                    for d in msg.get("dsts", [])]
+            dsts = [_Dst(engine, d["seq"], d["blocks"], d["offset"]) for d in msg.get("dsts", [])]
+            foreign = self._foreign(engine, xfer, [d.seq for d in dsts])
+            for seq in sorted(foreign):
+                self._send_fail(engine, [seq], f"request {seq} of transfer {xfer} belongs to another decode engine")
+            dsts = [d for d in dsts if d.seq not in foreign]
+            if not dsts and foreign:
+                return
+            self._renewed(engine, [xfer], now)
             if src is None:
                 if msg.get("mode") == "push" and xfer not in self.gone:
                     dl, old, cancels = self.orphans.get(xfer, (now + self.settings.lease, [], 0))
@@ -489,7 +608,14 @@ class SchedulerSide:
             self._family_asks(src, len(dsts))
         elif mtype == "cancel":
             seqs = {str(s) for s in msg.get("seqs", [])}
+            seqs -= self._foreign(engine, xfer, sorted(seqs))
             count = int(msg.get("count", 0))
+            holders = src.holders if src is not None else self.holds.get(xfer, (0.0, set()))[1]
+            if count and holders and engine not in holders:
+                self.foreign_refused += 1
+                log.warning("kvtransport: decode engine %s cancelled transfer %s that only %s hold; refused",
+                            engine, xfer, sorted(holders)[:4])
+                count = 0
             if src is None:
                 if xfer in self.orphans:
                     dl, old, cancels = self.orphans[xfer]
@@ -596,6 +722,8 @@ class SchedulerSide:
             if src is not None:
                 src.holders.add(engine)
                 src.lease_until = max(src.lease_until, until)
+                if src.considered is not None or src.complete:  # it runs (or ran): this decode may allocate
+                    self._send_ready(src)
             elif xfer not in self.gone:
                 _, engines = self.holds.get(xfer, (until, set()))
                 self.holds[xfer] = (until, engines | {engine})
@@ -624,10 +752,19 @@ class SchedulerSide:
                 log.warning("kvtransport: prefill request %s (transfer %s): %s; freeing its blocks",
                             src.req_id, src.xfer, src.failed)
 
-    def stats_delta(self) -> dict[str, int]:
-        """Scheduler-side counters since the last call (lease expirations, decodes lost with held blocks)."""
-        out = {k: v for k, v in self.counters.items() if v}
+    def stats_delta(self) -> dict[str, Any]:
+        """Scheduler-side counters since the last call (lease expirations, decodes lost with held blocks,
+        admission waits that ran out), the admission waits of prefill requests (seconds), and the decode's
+        gauges (requests waiting for admission / for their KV) when they changed."""
+        out: dict[str, Any] = {k: v for k, v in self.counters.items() if v}
         self.counters = dict.fromkeys(self.counters, 0)
+        if self.consumer:
+            gauges = {"recv_unallocated": len(self.arrived), "recv_in_progress": len(self.recvs)}
+            changed = {k: v for k, v in gauges.items() if self._gauges_sent.get(k) != v}
+            out.update(changed)
+            self._gauges_sent.update(changed)
+        if self.dst_waits:
+            out["dst_waits"], self.dst_waits = [round(t, 6) for t in self.dst_waits], []
         return out
 
     def _fail_dsts(self, src: _Source, reason: str) -> None:
@@ -652,6 +789,8 @@ class SchedulerSide:
     def _decode_finished(self, request: Any) -> None:
         rid = request.request_id
         self.wanted.pop(rid, None)
+        self.arrived.pop(rid, None)
+        self.doomed.pop(rid, None)
         rec = self.recvs.pop(rid, None)
         if rec is not None:  # aborted while waiting for its KV
             self._recv_abort.append(rid)
@@ -660,9 +799,10 @@ class SchedulerSide:
         elif rid not in self.consumed and self.consumer:
             params = request.kv_transfer_params or {}
             addr = self._peer_addr(params)
-            if addr is not None and params.get("kvt_xfer"):  # never allocated: the prefill should not wait
-                self._outgoing[addr].append({"type": "cancel", "xfer": str(params["kvt_xfer"]), "seqs": [],
-                                             "count": 1, "mode": "push"})
+            xfer = params.get("kvt_xfer") or params.get("remote_request_id")
+            if addr is not None and xfer:  # never allocated: the prefill should not wait (push) or hold (pull)
+                self._outgoing[addr].append({"type": "cancel", "xfer": str(xfer), "seqs": [], "count": 1,
+                                             "mode": "push" if params.get("kvt_xfer") else "pull"})
         self.consumed.discard(rid)
 
     def _renew(self, now: float) -> None:
@@ -683,7 +823,8 @@ class SchedulerSide:
     def _client(self, addr: tuple[str, int]) -> PeerClient:
         c = self.clients.get(addr)
         if c is None or c.dead:
-            c = PeerClient(addr[0], addr[1], self.hello, self.compat, self.inbox, self.settings.connect_timeout)
+            c = PeerClient(addr[0], addr[1], self.hello, self.compat, self.inbox, self.settings.connect_timeout,
+                           secret=self.settings.secret)
             self.clients[addr] = c
         return c
 

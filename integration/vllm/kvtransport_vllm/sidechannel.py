@@ -8,6 +8,7 @@ Inbox events (tuples)::
     ("msg", engine_id, msg)              server: a dst / cancel / renew message from that engine
     ("bye", engine_id, reason)           server: that engine's connection ended (it died or closed)
     ("fail", seq, reason)                client: the prefill side cannot serve ``seq`` (or is unreachable)
+    ("ready", (host, port), xfers)       client: that prefill is about to compute these transfers (allocate now)
     ("lost", (host, port), reason)       client: an established connection to that prefill ended
 """
 
@@ -23,15 +24,30 @@ from typing import Any
 
 from kvtransport.sidechannel import block_with_send_bound, enable_keepalive
 
-from .protocol import PROTOCOL_VERSION, ProtocolFailure, describe_mismatch, recv_message, send_message
+from .protocol import (
+    MAX_HELLO,
+    PROTOCOL_VERSION,
+    REFUSED,
+    AuthFailure,
+    MalformedMessage,
+    ProtocolFailure,
+    check_hello,
+    check_message,
+    describe_mismatch,
+    new_nonce,
+    parse_nonce,
+    recv_message,
+    seal,
+    send_message,
+    unseal,
+)
 
 log = logging.getLogger("vllm.kvtransport")
 
 Inbox = queue.Queue[tuple[Any, ...]]  # see module docstring
 CompatFn = Callable[[], tuple[str, dict[str, Any]]]
-
-
-
+MAX_HANDSHAKES = 32
+"""Connections the server lets run a handshake at once (more are closed at once, unread)."""
 
 class _Conn:
     """One established connection: a writer thread draining ``out`` and a reader loop run by the owner.
@@ -79,17 +95,27 @@ class _Conn:
 
 
 class SideChannelServer:
-    """Listens on ``(address, port)``; accepts decode engines after a compatibility check.
+    """Listens on ``(address, port)``; accepts decode engines that prove ``secret`` (when set) and pass the
+    compatibility check (see :mod:`.protocol` for the handshake).
 
-    Started by the prefill (producer) scheduler. ``send(engine_id, msg)`` is non-blocking.
+    Started by the prefill (producer) scheduler. ``send(engine_id, msg)`` is non-blocking. Only checked
+    messages (``check_hello`` / ``check_message``) reach the inbox; a malformed one is dropped and counted in
+    ``dropped``, the connection stays. At most ``MAX_HANDSHAKES`` unauthenticated connections at once, each
+    bounded to one ``MAX_HELLO`` frame within ``timeout``.
     """
 
     def __init__(self, address: str, port: int, engine_id: str, compat: CompatFn, inbox: Inbox,
                  timeout: float, lease: float = 0.0,
-                 answer_now: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None) -> None:
-        """``answer_now(msg)``, called on the connection's reader thread for each message: a reply to send at
-        once instead of queueing ``msg`` for the scheduler (which runs only while its engine steps), or None."""
+                 answer_now: Callable[[str, dict[str, Any]], dict[str, Any] | None] | None = None,
+                 secret: bytes | None = None) -> None:
+        """``answer_now(engine, msg)``, called on the connection's reader thread for each checked message: a
+        reply to send at once instead of queueing ``msg`` for the scheduler (which runs only while its engine
+        steps), or None."""
         self.engine_id = engine_id
+        self._secret = secret
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self.dropped = 0  # malformed messages from authenticated peers
+        self.refused = 0  # handshakes refused (unauthenticated, incompatible or malformed)
         self._answer_now = answer_now
         self.lease = lease
         self._compat = compat
@@ -117,31 +143,66 @@ class SideChannelServer:
                 sock, addr = self._sock.accept()
             except OSError:
                 return
+            if not self._handshakes.acquire(blocking=False):
+                log.warning("side channel: %d handshakes already running; closing %s:%s unread", MAX_HANDSHAKES,
+                            addr[0], addr[1])
+                sock.close()
+                continue
             threading.Thread(target=self._serve, args=(sock, f"{addr[0]}:{addr[1]}"), name="kvt-sc-in",
                              daemon=True).start()
+
+    def _refuse(self, sock: socket.socket, label: str, engine: object, reason: str, told: str) -> None:
+        self.refused += 1
+        log.error("refusing decode engine %s from %s: %s", str(engine)[:64], label, reason)
+        send_message(sock, {"type": "refuse", "version": PROTOCOL_VERSION, "reason": told})
+
+    def _handshake(self, sock: socket.socket, label: str) -> dict[str, Any] | None:
+        """Challenge, authenticate, check: the checked hello, or None when refused (the peer was told)."""
+        nonce = new_nonce()
+        send_message(sock, {"type": "challenge", "version": PROTOCOL_VERSION, "nonce": nonce.hex()})
+        try:
+            frame = recv_message(sock, MAX_HELLO)
+            if frame.get("type") != "hello":
+                raise AuthFailure(f"expected hello, got {str(frame.get('type'))[:32]!r}")
+            hello = unseal(frame, self._secret, nonce)
+        except (AuthFailure, MalformedMessage) as exc:  # a stranger: told nothing but that it was refused
+            self._refuse(sock, label, "?", f"unauthenticated: {exc}", REFUSED)
+            return None
+        ours, info = self._compat()
+        try:
+            if hello.get("version") != PROTOCOL_VERSION:
+                raise MalformedMessage(f"side-channel protocol version {str(hello.get('version'))[:16]} != ours "
+                                       f"{PROTOCOL_VERSION}")
+            checked = check_hello(hello)
+            checked["nonce"] = parse_nonce(hello.get("nonce"))
+        except ProtocolFailure as exc:
+            self._refuse(sock, label, hello.get("engine_id"), str(exc), f"malformed hello: {exc}")
+            return None
+        if hello.get("compat") != ours:  # values in our log only; the peer learns which fields differ
+            raw = hello.get("compat_info")
+            theirs: dict[str, Any] = raw if isinstance(raw, dict) else {}
+            self._refuse(sock, label, checked["engine_id"], "incompatible KV caches: " + describe_mismatch(info, theirs),
+                         "incompatible KV caches, fields that differ: "
+                         + describe_mismatch(info, theirs, values=False))
+            return None
+        welcome = {"type": "welcome", "version": PROTOCOL_VERSION, "engine_id": self.engine_id, "compat": ours,
+                   "compat_info": info, "lease": self.lease}
+        send_message(sock, seal(welcome, self._secret, checked.pop("nonce")))
+        return checked
 
     def _serve(self, sock: socket.socket, label: str) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         engine = None
         why = "connection ended"
         try:
-            sock.settimeout(self._timeout)
-            hello = recv_message(sock)
-            if hello.get("type") != "hello":
-                raise ProtocolFailure(f"expected hello, got {hello.get('type')!r}")
-            ours, info = self._compat()
-            reason = None
-            if hello.get("version") != PROTOCOL_VERSION:
-                reason = f"side-channel protocol version {hello.get('version')} != ours {PROTOCOL_VERSION}"
-            elif hello.get("compat") != ours:
-                reason = "incompatible KV caches: " + describe_mismatch(info, hello.get("compat_info") or {})
-            if reason is not None:
-                log.error("refusing decode engine %s from %s: %s", hello.get("engine_id"), label, reason)
-                send_message(sock, {"type": "refuse", "version": PROTOCOL_VERSION, "reason": reason})
+            try:
+                sock.settimeout(self._timeout)
+                hello = self._handshake(sock, label)
+            finally:
+                self._handshakes.release()
+            if hello is None:
                 return
-            engine = str(hello["engine_id"])
-            send_message(sock, {"type": "welcome", "version": PROTOCOL_VERSION, "engine_id": self.engine_id,
-                                "compat": ours, "compat_info": info, "lease": self.lease})
+            engine = hello["engine_id"]
             conn = _Conn(sock, label, self._timeout)
             with self._lock:
                 old = self._conns.pop(engine, None)
@@ -150,13 +211,18 @@ class SideChannelServer:
                 old.close()
             self._inbox.put(("hello", engine, hello))
             while True:
-                msg = recv_message(sock)
-                reply = self._answer_now(msg) if self._answer_now is not None else None
+                try:
+                    msg = check_message(recv_message(sock))
+                except MalformedMessage as exc:
+                    self.dropped += 1
+                    log.warning("side channel from %s (engine %s): dropped a message: %s", label, engine, exc)
+                    continue
+                reply = self._answer_now(engine, msg) if self._answer_now is not None else None
                 if reply is not None:
                     conn.send(reply)
                 else:
                     self._inbox.put(("msg", engine, msg))
-        except (OSError, ProtocolFailure, KeyError) as exc:
+        except (OSError, ProtocolFailure) as exc:
             why = str(exc)
             if not self._closed:
                 log.info("side channel from %s (engine %s) ended: %s", label, engine, exc)
@@ -196,7 +262,8 @@ class PeerClient:
     """
 
     def __init__(self, host: str, port: int, hello: Callable[[], dict[str, Any]], compat: CompatFn,
-                 inbox: Inbox, timeout: float) -> None:
+                 inbox: Inbox, timeout: float, secret: bytes | None = None) -> None:
+        self._secret = secret
         self.host, self.port = host, int(port)
         self.label = f"{host}:{port}"
         self._hello = hello
@@ -262,12 +329,27 @@ class PeerClient:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self._timeout)
-            send_message(sock, self._hello())
-            reply = recv_message(sock)
-            if reply.get("type") == "refuse":
-                raise ProtocolFailure(f"prefill {self.label} refused us: {reply.get('reason')}")
-            if reply.get("type") != "welcome" or reply.get("version") != 1:
-                raise ProtocolFailure(f"unexpected handshake reply {reply.get('type')!r} from {self.label}")
+            challenge = recv_message(sock, MAX_HELLO)
+            if challenge.get("type") != "challenge" or challenge.get("version") != PROTOCOL_VERSION:
+                raise ProtocolFailure(f"unexpected handshake opening {str(challenge.get('type'))[:32]!r} (protocol "
+                                      f"{str(challenge.get('version'))[:16]}, ours {PROTOCOL_VERSION}) from "
+                                      f"{self.label}: run the same kvtransport-vllm version on both sides")
+            ours_nonce = new_nonce()
+            send_message(sock, seal({**self._hello(), "nonce": ours_nonce.hex()}, self._secret,
+                                    parse_nonce(challenge.get("nonce"))))
+            frame = recv_message(sock, MAX_HELLO)
+            if frame.get("type") == "refuse":
+                raise ProtocolFailure(f"prefill {self.label} refused us: {str(frame.get('reason'))[:2000]}")
+            if frame.get("type") != "welcome":
+                raise ProtocolFailure(f"unexpected handshake reply {str(frame.get('type'))[:32]!r} from {self.label}")
+            try:
+                reply = unseal(frame, self._secret, ours_nonce)
+            except AuthFailure:
+                raise ProtocolFailure(f"prefill {self.label} did not prove KV_TRANSPORT_SECRET (set the same "
+                                      "secret on both sides)") from None
+            if reply.get("version") != PROTOCOL_VERSION:
+                raise ProtocolFailure(f"prefill {self.label} speaks side-channel protocol "
+                                      f"{str(reply.get('version'))[:16]}, ours {PROTOCOL_VERSION}")
             ours, info = self._compat()
             if reply.get("compat") != ours:
                 raise ProtocolFailure(
@@ -288,10 +370,19 @@ class PeerClient:
             conn.send(m)
         try:
             while True:
-                msg = recv_message(sock)
+                try:
+                    msg = recv_message(sock)
+                    seqs, xfers = msg.get("seqs", []), msg.get("xfers", [])
+                    if not isinstance(seqs, list) or not isinstance(xfers, list):
+                        raise MalformedMessage("seqs / xfers must be lists")
+                except MalformedMessage as exc:
+                    log.warning("side channel to prefill %s: dropped a message: %s", self.label, exc)
+                    continue
                 if msg.get("type") == "fail":
-                    for seq in msg.get("seqs", []):
-                        self._inbox.put(("fail", seq, str(msg.get("reason", "prefill failed"))))
+                    for seq in seqs:
+                        self._inbox.put(("fail", str(seq), str(msg.get("reason", "prefill failed"))))
+                elif msg.get("type") == "ready":
+                    self._inbox.put(("ready", (self.host, self.port), [str(x) for x in xfers]))
         except (OSError, ProtocolFailure) as exc:
             reason = f"side channel to prefill {self.label} lost: {exc}"
             closed = self.error is not None

@@ -15,7 +15,12 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 COUNTERS = ("bytes_sent", "bytes_received", "puts", "puts_received", "failures", "transfers_sent",
             "transfers_layerwise", "transfers_whole", "transfers_received", "transfer_failures",
-            "lease_expirations", "decode_disconnects", "prefill_disconnects")
+            "lease_expirations", "decode_disconnects", "prefill_disconnects", "dst_wait_timeouts")
+TIMINGS = ("transfer_times", "dst_waits")
+"""Lists of seconds: decode blocks held from allocation until the KV landed; prefill admission waits."""
+GAUGES = ("recv_unallocated", "recv_in_progress")
+"""Decode scheduler, current values (sent when they change): P/D requests that arrived but have no blocks yet
+(waiting for admission), and requests whose blocks are allocated and wait for their KV."""
 
 
 class KVTransportStats(KVConnectorStats):
@@ -34,27 +39,34 @@ class KVTransportStats(KVConnectorStats):
         for k in COUNTERS:
             if k in od:
                 self.data[k] = int(self.data.get(k, 0)) + int(od[k])
-        if od.get("transfer_times"):
-            self.data["transfer_times"] = list(self.data.get("transfer_times", [])) + list(od["transfer_times"])
+        for k in TIMINGS:
+            if od.get(k):
+                self.data[k] = list(self.data.get(k, [])) + list(od[k])
         for k in ("backend", "paths"):
             if od.get(k):
                 self.data[k] = sorted(set(self.data.get(k, [])) | set(od[k]))
+        for k in GAUGES:  # the later value wins
+            if k in od:
+                self.data[k] = int(od[k])
         return self
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {k: int(self.data.get(k, 0)) for k in COUNTERS}
-        times = self.data.get("transfer_times") or []
-        if times:
-            out["avg_transfer_ms"] = round(1000 * sum(times) / len(times), 3)
-            out["max_transfer_ms"] = round(1000 * max(times), 3)
+        out.update({k: int(self.data[k]) for k in GAUGES if k in self.data})
+        for key, name in (("transfer_times", "transfer"), ("dst_waits", "dst_wait")):
+            times = self.data.get(key) or []
+            if times:
+                out[f"avg_{name}_ms"] = round(1000 * sum(times) / len(times), 3)
+                out[f"max_{name}_ms"] = round(1000 * max(times), 3)
         return out
 
     def is_empty(self) -> bool:
-        return not any(int(self.data.get(k, 0)) for k in COUNTERS) and not self.data.get("transfer_times")
+        return (not any(int(self.data.get(k, 0)) for k in COUNTERS) and not any(self.data.get(k) for k in TIMINGS)
+                and not any(k in self.data for k in GAUGES))
 
 
 class KVTransportPromMetrics(KVConnectorPromMetrics):
-    """``vllm:kvtransport_*`` counters and a transfer-time histogram, per engine."""
+    """``vllm:kvtransport_*`` counters, gauges and histograms (transfer time, admission wait), per engine."""
 
     def __init__(self, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -73,23 +85,38 @@ class KVTransportPromMetrics(KVConnectorPromMetrics):
             "lease_expirations": "prefill requests whose held blocks were freed after the lease expired",
             "decode_disconnects": "prefill requests given up because their decode's side channel went away",
             "prefill_disconnects": "decode requests failed because their prefill's side channel went away",
+            "dst_wait_timeouts": "prefill requests that ran before their destination blocks were known (dst_wait)",
         }
         self.counters: dict[str, dict[int, Any]] = {}
         for key, doc in docs.items():
             c = self._counter_cls(name=f"vllm:kvtransport_{key}", documentation=doc, labelnames=labelnames)
             self.counters[key] = create_metric_per_engine(c, self.per_engine_labelvalues)
-        h = self._histogram_cls(  # type: ignore[call-arg]
-            name="vllm:kvtransport_transfer_seconds",
-            documentation="Time from a decode request's allocation to its KV having landed",
-            buckets=[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0],
-            labelnames=labelnames,
-        )
-        self.hist = create_metric_per_engine(h, self.per_engine_labelvalues)
+        self.gauges: dict[str, dict[int, Any]] = {}
+        for key, doc in (("recv_unallocated", "decode: P/D requests waiting for admission (no blocks allocated yet)"),
+                         ("recv_in_progress", "decode: P/D requests with allocated blocks waiting for their KV")):
+            g = self._gauge_cls(name=f"vllm:kvtransport_{key}", documentation=doc, multiprocess_mode="mostrecent",
+                                labelnames=labelnames)
+            self.gauges[key] = create_metric_per_engine(g, self.per_engine_labelvalues)
+        buckets = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+        self.hists: dict[str, dict[int, Any]] = {}
+        for key, name, doc in (
+            ("transfer_times", "transfer_seconds",
+             "Time a decode request's blocks were held: from their allocation until its KV landed"),
+            ("dst_waits", "dst_wait_seconds",
+             "Time a push-flow prefill request waited for its decode's destination blocks before it ran"),
+        ):
+            h = self._histogram_cls(  # type: ignore[call-arg]
+                name=f"vllm:kvtransport_{name}", documentation=doc, buckets=buckets, labelnames=labelnames)
+            self.hists[key] = create_metric_per_engine(h, self.per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, per_engine in self.counters.items():
             v = int(transfer_stats_data.get(key, 0) or 0)
             if v > 0:
                 per_engine[engine_idx].inc(v)
-        for t in transfer_stats_data.get("transfer_times") or []:
-            self.hist[engine_idx].observe(t)  # type: ignore[union-attr]
+        for key, per_engine in self.gauges.items():
+            if key in transfer_stats_data:
+                per_engine[engine_idx].set(int(transfer_stats_data[key]))
+        for key, per_engine in self.hists.items():
+            for t in transfer_stats_data.get(key) or []:
+                per_engine[engine_idx].observe(t)

@@ -1,10 +1,16 @@
 """Worker side of the connector (one per TP/PP worker process): owns the kvtransport CommManager.
 
 Prefill role: ``save_kv_layer`` hands each computed layer's puts to a *pusher* thread (the forward never
-waits on the network; on CUDA a recorded event orders the put after the layer's kernels), ``wait_for_save``
+waits on the network). On CUDA the pusher issues its copies on a stream of its own that waits (on the device,
+not the host) for an event recorded after the layer's kernels, so copies overlap the next layers' compute and
+never wait for work issued after them (which the legacy default stream would); ``wait_for_save``
 signals the sequences whose prompt completed, whole pushes and releases come with the step's plan, and a
 released request is reported ``finished_sending`` once its puts were flushed. All CommManager sender calls
-happen on the pusher thread (one thread per manager: the core's outbound links are not thread-safe).
+on a link happen on the pusher thread (one thread per manager: the core's outbound links are not thread-safe).
+Connects do not: each destination is connected on a thread of its own, started as soon as the plan names the
+destination (bounded by ``connect_timeout``); meanwhile that destination's puts and signals wait in its own
+backlog (at most ``MAX_BACKLOG``), replayed in order once connected or failed if the connect fails, so an
+unreachable decode never delays the pushes to the others.
 
 Decode role: waits are never blocking: ``get_transfer_results`` polls the manager, reports landed sequences
 as ``finished_recving`` and failed or timed-out ones as ``failed_recving`` too (vLLM's failure path).
@@ -17,12 +23,14 @@ import queue
 import threading
 import time
 from collections import OrderedDict, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import kvtransport
 from kvtransport import KVLayout, KVTransportError, Peer
 
+from .compat import block_dim
 from .config import ConnectorSettings
 from .metadata import Push, SendFailure, StepPlan
 from .scheduler import PREFILL_LOST
@@ -30,6 +38,8 @@ from .scheduler import PREFILL_LOST
 log = logging.getLogger("vllm.kvtransport")
 
 RECONNECT_BACKOFF = 10.0
+MAX_BACKLOG = 65536
+"""Puts and signals queued for one destination while it connects; more fail at once."""
 
 
 @dataclass
@@ -42,8 +52,11 @@ class TransferResults:
 class _Pusher:
     """The thread that issues every put/signal/flush of one worker (see module docstring)."""
 
-    def __init__(self, cm: kvtransport.CommManager, tp_rank: int, num_layers: int, timeout: float) -> None:
+    def __init__(self, cm: kvtransport.CommManager, tp_rank: int, num_layers: int, timeout: float,
+                 cuda: bool = False) -> None:
         self.cm = cm
+        self.cuda = cuda
+        self.stream: Any = None  # CUDA: the pusher's own stream (set on its thread)
         self.tp_rank = tp_rank
         self.num_layers = num_layers
         self.timeout = timeout
@@ -51,6 +64,14 @@ class _Pusher:
         self.lock = threading.Lock()
         self.peer_meta: dict[str, dict[int, bytes]] = {}
         self.peers: dict[str, Peer] = {}
+        # destinations being connected (on their own threads): their puts and signals, in order, replayed
+        # (or failed) when the connect ends
+        self.connecting: dict[str, list[tuple[Push, Callable[[], None]]]] = {}
+        self.device: int | None = None
+        if cuda:
+            import torch
+
+            self.device = torch.cuda.current_device()  # the worker's device: every thread of ours uses it
         self.broken: dict[str, tuple[float, str]] = {}
         self.failed_seqs: dict[str, str] = {}
         self.touched: dict[str, set[str]] = defaultdict(set)  # prefill req -> engines it put to
@@ -80,6 +101,12 @@ class _Pusher:
 
     # ---------------------------------------------------------------- thread
     def _run(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.set_device(self.device)
+            self.stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            torch.cuda.set_stream(self.stream)  # this thread's current stream: the backends launch on it
         while True:
             try:
                 job = self.q.get(timeout=self._idle_timeout())
@@ -125,30 +152,39 @@ class _Pusher:
 
     def _signal_all(self, kind: str, pushes: list[Push]) -> None:
         for p in pushes:
-            if self._signal(p):
-                if kind == "whole":
-                    self.sent_whole += 1
-                else:
-                    self.sent_layerwise += 1
+            self._signal(p, kind)
 
     def _do(self, job: tuple[Any, ...]) -> None:
         kind = job[0]
         if kind == "peers":
             self.peer_meta.update(job[1])
+            for engine in job[1]:
+                self._start_connect(engine)
+        elif kind == "connected":
+            self._connected(job[1], job[2])
         elif kind == "layer":
             _, layer, pushes, event = job
-            if event is not None:
-                event.synchronize()
+            self._after(event)
             for p in pushes:
                 self._put(p, layer, signal_layer=p.final)
         elif kind == "signal":
             self._signal_later("layerwise", list(job[1]))
         elif kind == "whole":
             whole: Push = job[1]
+            self._after(job[2])
             self._put(whole, None)  # every layer in one call (one device launch on CUDA IPC paths)
             self._signal_later("whole", [whole])
         elif kind == "release":
             self.releasing.append(job[1])
+
+    def _after(self, event: Any) -> None:
+        """Order the next puts after ``event`` (recorded on the forward's stream): on our stream, on the device."""
+        if event is None:
+            return
+        if self.stream is not None:
+            self.stream.wait_event(event)
+        else:
+            event.synchronize()
 
     def _signal_later(self, kind: str, pushes: list[Push]) -> None:
         """Signal ``pushes`` now, or hold back those with a (test-only, ``debug_push_delay``) delay: the transfer
@@ -159,24 +195,65 @@ class _Pusher:
             self.delayed.append((now + max(p.delay for p in later), kind, later))
         self._signal_all(kind, [p for p in pushes if p.delay <= 0])
 
-    def _peer(self, engine: str) -> Peer:
-        peer = self.peers.get(engine)
-        if peer is not None:
-            return peer
-        until, why = self.broken.get(engine, (0.0, ""))
-        if time.monotonic() < until:
-            raise KVTransportError(f"decode engine {engine} unreachable: {why}")
+    def _start_connect(self, engine: str) -> bool:
+        """Start connecting ``engine`` on a thread of its own unless connected, connecting or in its reconnect
+        backoff, or without metadata. Pusher thread; non-blocking. True while a connect is pending."""
+        if engine in self.connecting:
+            return True
+        if engine in self.peers or time.monotonic() < self.broken.get(engine, (0.0, ""))[0]:
+            return False
         meta = self.peer_meta.get(engine, {}).get(self.tp_rank)
         if meta is None:
-            raise KVTransportError(f"no kvtransport metadata for decode engine {engine} rank {self.tp_rank}")
+            return False
+        self.connecting[engine] = []
+        threading.Thread(target=self._connect, args=(engine, meta), name=f"kvt-connect-{engine[:16]}",
+                         daemon=True).start()
+        return True
+
+    def _connect(self, engine: str, meta: bytes) -> None:
+        """Connect thread: ``cm.connect`` (bounded by ``timeout``), the outcome handed to the pusher thread."""
+        outcome: Peer | KVTransportError
         try:
-            peer = self.cm.connect(meta, timeout=self.timeout)
+            if self.device is not None:
+                import torch
+
+                torch.cuda.set_device(self.device)
+            outcome = self.cm.connect(meta, timeout=self.timeout)
         except KVTransportError as exc:
-            self.broken[engine] = (time.monotonic() + RECONNECT_BACKOFF, str(exc))
-            raise
-        log.info("kvtransport: connected to decode engine %s rank %d via %s", engine, self.tp_rank, peer.path)
-        self.peers[engine] = peer
-        return peer
+            outcome = exc
+        except Exception as exc:  # never leave the backlog waiting
+            outcome = KVTransportError(f"connect to decode engine {engine} failed: {type(exc).__name__}: {exc}")
+        self.q.put(("connected", engine, outcome))
+
+    def _connected(self, engine: str, outcome: Peer | KVTransportError) -> None:
+        """Pusher thread: a connect ended; replay (or fail) the destination's backlog in order."""
+        backlog = self.connecting.pop(engine, [])
+        if isinstance(outcome, KVTransportError):
+            self.broken[engine] = (time.monotonic() + RECONNECT_BACKOFF, str(outcome))
+            for p, _ in backlog:
+                self._fail(p, outcome)
+            return
+        log.info("kvtransport: connected to decode engine %s rank %d via %s", engine, self.tp_rank, outcome.path)
+        self.peers[engine] = outcome
+        for _, replay in backlog:
+            replay()
+
+    def _peer(self, p: Push, replay: Callable[[], None]) -> Peer | None:
+        """The link to ``p.engine``, or None when it is being connected: then ``replay`` waits in that
+        destination's backlog. Raises KVTransportError (unreachable in backoff, no metadata, backlog full)."""
+        peer = self.peers.get(p.engine)
+        if peer is not None:
+            return peer
+        if self._start_connect(p.engine):
+            backlog = self.connecting[p.engine]
+            if len(backlog) >= MAX_BACKLOG:
+                raise KVTransportError(f"decode engine {p.engine}: {MAX_BACKLOG} puts wait for its connect")
+            backlog.append((p, replay))
+            return None
+        until, why = self.broken.get(p.engine, (0.0, ""))
+        if time.monotonic() < until:
+            raise KVTransportError(f"decode engine {p.engine} unreachable: {why}")
+        raise KVTransportError(f"no kvtransport metadata for decode engine {p.engine} rank {self.tp_rank}")
 
     def _fail(self, p: Push, exc: BaseException) -> None:
         if p.seq in self.failed_seqs:
@@ -202,8 +279,10 @@ class _Pusher:
         if p.seq in self.failed_seqs:
             return
         try:
-            peer = self._peer(p.engine)
             self.touched[p.req_id].add(p.engine)
+            peer = self._peer(p, lambda: self._put(p, layer, signal_layer=signal_layer))
+            if peer is None:
+                return
             if p.src:
                 if layer is None:
                     self.cm.put_layers(peer, p.seq, None, p.src, p.dst)
@@ -214,18 +293,25 @@ class _Pusher:
         except KVTransportError as exc:
             self._fail(p, exc)
 
-    def _signal(self, p: Push) -> bool:
+    def _signal(self, p: Push, kind: str) -> None:
+        """Signal ``p``'s sequence and count it as a ``kind`` ("whole" | "layerwise") transfer sent."""
         if p.seq in self.failed_seqs:
-            return False
+            return
         try:
-            self.cm.signal(self._peer(p.engine), p.seq)
-            return True
+            peer = self._peer(p, lambda: self._signal(p, kind))
+            if peer is None:
+                return
+            self.cm.signal(peer, p.seq)
         except KVTransportError as exc:
             self._fail(p, exc)
-            return False
+            return
+        if kind == "whole":
+            self.sent_whole += 1
+        else:
+            self.sent_layerwise += 1
 
     def _flush_releases(self) -> None:
-        held = self._held_back()
+        held = self._held_back() | {r for r in self.releasing if self.touched.get(r, set()) & self.connecting.keys()}
         reqs = [r for r in self.releasing if r not in held]
         self.releasing = [r for r in self.releasing if r in held]
         engines = set().union(*(self.touched.pop(r, set()) for r in reqs)) if reqs else set()
@@ -245,8 +331,10 @@ class _Pusher:
 class WorkerSide:
     """See the module docstring. Constructed by the connector for ``KVConnectorRole.WORKER``."""
 
-    def __init__(self, *, settings: ConnectorSettings, engine_id: str, tp_rank: int = 0) -> None:
+    def __init__(self, *, settings: ConnectorSettings, engine_id: str, tp_rank: int = 0,
+                 num_blocks: int | None = None) -> None:
         self.settings = settings
+        self.num_blocks = num_blocks
         self.engine_id = engine_id
         self.tp_rank = tp_rank
         self.cm: kvtransport.CommManager | None = None
@@ -257,6 +345,7 @@ class WorkerSide:
         self._layers_done: set[int] = set()
         self._lock = threading.Lock()
         self._waiting: dict[str, tuple[float, float]] = {}  # decode req -> (start, deadline)
+        self._recv_blocks: dict[str, list[int]] = {}  # decode req -> its destination blocks, until it ended
         self._early: dict[str, float] = {}  # landed before we were told to wait for them
         self._done_recv: set[str] = set()
         self._failed_recv: set[str] = set()
@@ -273,12 +362,14 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Describe vLLM's per-layer views and open the transport (blocking, once). Raises KVTransportError."""
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
-        self.layout = KVLayout.from_tensors(kv_caches)
+        first = next(iter(kv_caches.values()))
+        self.layout = KVLayout.from_tensors(kv_caches, block_dim=block_dim(tuple(first.shape), self.num_blocks))
         backend = None if self.settings.backend == "auto" else self.settings.backend
         opts = dict(self.settings.backend_options)
         opts.setdefault("timeout", self.settings.connect_timeout)
         self.cm = kvtransport.open(self.layout, backend=backend, ifname=self.settings.ifname, **opts)
-        self.pusher = _Pusher(self.cm, self.tp_rank, self.layout.num_layers, self.settings.connect_timeout)
+        self.pusher = _Pusher(self.cm, self.tp_rank, self.layout.num_layers, self.settings.connect_timeout,
+                              cuda=self.layout.is_cuda)
         self._fencer = threading.Thread(target=self._fence_loop, name="kvt-fence", daemon=True)
         self._fencer.start()
         log.info("kvtransport connector worker %d: backend %s, %d layers x %d blocks, %d plane(s)/layer",
@@ -293,19 +384,32 @@ class WorkerSide:
 
     # ---------------------------------------------------------------- per step
     def bind(self, plan: StepPlan) -> None:
-        """Take this step's plan (before the forward). Non-blocking."""
+        """Take this step's plan (before the forward, and in steps without one). Queues its whole pushes and
+        releases, starts and ends receives. Non-blocking."""
         self._plan = plan
         self._layers_done = set()
         if self.pusher is not None:
             if plan.peers:
                 self.pusher.submit("peers", plan.peers)
-            for p in plan.whole_pushes:
-                self.pusher.submit("whole", p)
+            if plan.whole_pushes:
+                event = self._forward_event()  # after everything issued so far (earlier steps' KV included)
+                for p in plan.whole_pushes:
+                    self.pusher.submit("whole", p, event)
+            # Releases name requests that finished in an earlier step (their puts and signals are queued
+            # already), so they go now: a step without a forward (vLLM keeps stepping only to drain delayed
+            # frees) binds its plan but never calls wait_for_save, and a release left for it would be lost
+            # with the blocks it frees.
+            for rid in plan.send_release:
+                self.pusher.submit("release", rid)
+            plan.send_release = []
         if self.cm is not None:
             now = time.monotonic()
             with self._lock:
                 for rid, timeout in plan.recv_start.items():
                     self._waiting[rid] = (now, now + timeout)
+                    self._recv_blocks[rid] = list(plan.recv_blocks.get(rid, ()))
+                while len(self._recv_blocks) > 65536:  # ended receives are popped; bound what was never reported
+                    self._recv_blocks.pop(next(iter(self._recv_blocks)))
                 for rid in plan.recv_abort:
                     if self._waiting.pop(rid, None) is not None or (rid in self._early and rid not in self._reported):
                         self._early.pop(rid, None)
@@ -326,33 +430,37 @@ class WorkerSide:
         idx = self.layer_index.get(layer_name)
         if idx is None or idx in self._layers_done:
             return
-        event = None
-        if getattr(kv_layer, "is_cuda", False):
-            import torch
-
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record()
+        event = self._forward_event() if getattr(kv_layer, "is_cuda", False) else None
         self._layers_done.add(idx)
         self.pusher.submit("layer", idx, plan.layer_pushes, event)
 
     def wait_for_save(self) -> None:
-        """End of the step: put layers the forward did not visit, signal completed prompts, queue releases."""
+        """End of a step that ran a forward: put layers the forward did not visit, signal completed prompts.
+        (vLLM does not call it in steps without a forward: nothing that such a step's plan carries waits here.)"""
         plan = self._plan
         if plan is None or self.pusher is None:
             return
         if plan.layer_pushes:
             assert self.layout is not None
-            for idx in range(self.layout.num_layers):
-                if idx not in self._layers_done:
-                    self.pusher.submit("layer", idx, plan.layer_pushes, None)
+            missed = [idx for idx in range(self.layout.num_layers) if idx not in self._layers_done]
+            event = self._forward_event() if missed else None
+            for idx in missed:
+                self.pusher.submit("layer", idx, plan.layer_pushes, event)
             self._layers_done = set(range(self.layout.num_layers))
             finals = [p for p in plan.layer_pushes if p.final]
             if finals:
                 self.pusher.submit("signal", finals)
-        for rid in plan.send_release:
-            self.pusher.submit("release", rid)
-        plan.send_release = []
         plan.layer_pushes = []
+
+    def _forward_event(self) -> Any:
+        """CUDA: an event recorded now on the forward thread's current stream (None on host memory)."""
+        if self.layout is None or not self.layout.is_cuda:
+            return None
+        import torch
+
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record()
+        return event
 
     def transfer_results(self) -> TransferResults:
         """Completions since the last call (non-blocking)."""
@@ -384,12 +492,22 @@ class WorkerSide:
             failed, self._failed_recv = self._failed_recv, set()
         return TransferResults(sending, done | failed, failed)
 
+    def blocks_of(self, failed: set[str]) -> set[int]:
+        """The destination blocks of receives reported failed (vLLM < 0.32 learns of a failed receive from
+        them, ``get_block_ids_with_load_errors``). Forgets those requests' blocks."""
+        out: set[int] = set()
+        with self._lock:
+            for rid in failed:
+                out.update(self._recv_blocks.pop(rid, ()))
+        return out
+
     def _finish(self, rid: str, now: float) -> None:
         assert self.cm is not None
         start, _ = self._waiting.pop(rid)
         try:
             self.cm.wait(rid, timeout=0)
             self._done_recv.add(rid)
+            self._recv_blocks.pop(rid, None)
             self._ended(rid)
             self._times.append(now - start)
         except KVTransportError as exc:
@@ -424,11 +542,7 @@ class WorkerSide:
             if cm is None:
                 return
             try:
-                abort = getattr(cm, "abort", None)
-                if abort is not None:
-                    abort(rid, timeout=self.settings.connect_timeout)
-                else:  # older core: no fence, release only
-                    cm.release(rid)
+                cm.abort(rid, timeout=self.settings.connect_timeout)
             except kvtransport.TransferTimeout as exc:
                 log.error("kvtransport: %s; retrying (its blocks stay held)", exc)
                 time.sleep(1.0)
@@ -438,6 +552,8 @@ class WorkerSide:
                 log.info("kvtransport: abort of %s: %s", rid, exc)
             with self._lock:
                 (self._failed_recv if failed else self._done_recv).add(rid)
+                if not failed:  # an aborted receive is not a load error: its blocks are not reported
+                    self._recv_blocks.pop(rid, None)
 
     def take_send_failures(self) -> list[SendFailure]:
         """Pushes that failed since the last call (the scheduler tells their decode engines)."""

@@ -1,0 +1,67 @@
+"""The connector's settings (``kv_connector_extra_config`` > environment > defaults): the kvtransport naming
+scheme for its environment variables (older names warn), and bad values refused with the key named."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("kvtransport_vllm", reason="kvtransport-vllm is not installed")
+
+from kvtransport_vllm.config import requires_layerwise, resolve_settings  # noqa: E402
+
+pytestmark = [pytest.mark.vllm]
+
+
+def test_defaults() -> None:
+    s = resolve_settings(None, env={})
+    assert (s.mode, s.side_channel_port, s.backend, s.ifname, s.secret) == ("push", 0, "auto", None, None)
+    assert (s.transfer_timeout, s.lease, s.connect_timeout, s.dst_wait, s.admit_below) == (120.0, 30.0, 30.0, 5.0, 0.5)
+
+
+def test_environment_uses_the_kv_transport_prefix() -> None:
+    s = resolve_settings({}, env={"KV_TRANSPORT_VLLM_MODE": "PULL", "KV_TRANSPORT_VLLM_SIDE_CHANNEL_PORT": "8123"})
+    assert (s.mode, s.side_channel_port) == ("pull", 8123)
+
+
+def test_older_names_still_work_with_a_deprecation_warning() -> None:
+    env = {"KVT_VLLM_MODE": "pull", "KVT_VLLM_SIDE_CHANNEL_PORT": "8124"}
+    with pytest.warns(DeprecationWarning, match="KVT_VLLM_MODE is deprecated: set KV_TRANSPORT_VLLM_MODE"):
+        s = resolve_settings({}, env=env)
+    assert (s.mode, s.side_channel_port) == ("pull", 8124)
+    # the new name wins over the old one; the extra config over both
+    s = resolve_settings({}, env={**env, "KV_TRANSPORT_VLLM_MODE": "push", "KV_TRANSPORT_VLLM_SIDE_CHANNEL_PORT": "9"})
+    assert (s.mode, s.side_channel_port) == ("push", 9)
+    s = resolve_settings({"mode": "pull", "side_channel_port": 7}, env={"KV_TRANSPORT_VLLM_MODE": "push"})
+    assert (s.mode, s.side_channel_port) == ("pull", 7)
+
+
+@pytest.mark.parametrize("port", [-1, 65536, "abc", 1.5, "8e3", True, math.inf])
+def test_a_side_channel_port_outside_the_port_range_is_refused(port: object) -> None:
+    with pytest.raises(ValueError, match="side_channel_port must be a port number 0..65535"):
+        resolve_settings({"side_channel_port": port}, env={})
+
+
+def test_a_bad_port_in_the_environment_is_refused() -> None:
+    with pytest.raises(ValueError, match="side_channel_port must be a port number"):
+        resolve_settings({}, env={"KV_TRANSPORT_VLLM_SIDE_CHANNEL_PORT": "70000"})
+
+
+@pytest.mark.parametrize("key", ["transfer_timeout", "lease", "connect_timeout"])
+@pytest.mark.parametrize("value", [0, -1, math.nan, math.inf, "soon", None])
+def test_timeouts_must_be_positive_finite_numbers(key: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"kv_connector_extra_config.{key} must be"):
+        resolve_settings({key: value}, env={})
+
+
+def test_an_unknown_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="mode='sideways'"):
+        resolve_settings({"mode": "sideways"}, env={})
+
+
+def test_only_a_pushing_producer_asks_for_piecewise_cuda_graphs() -> None:
+    assert requires_layerwise({}, "kv_producer") is True
+    assert requires_layerwise({}, "kv_both") is True
+    assert requires_layerwise({}, "kv_consumer") is False
+    assert requires_layerwise({"mode": "pull"}, "kv_producer") is False

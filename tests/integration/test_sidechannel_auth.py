@@ -1,0 +1,251 @@
+"""The scheduler side channel as an adversary meets it: strangers, wrong secrets, garbage, floods, and a decode
+acting on another decode's requests. Real sockets on loopback, no vLLM process."""
+
+from __future__ import annotations
+
+import json
+import queue
+import socket
+import struct
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvtransport import wire
+
+sc = pytest.importorskip("kvtransport_vllm.sidechannel", reason="kvtransport-vllm is not installed")
+from kvtransport_vllm import protocol as proto  # noqa: E402
+from kvtransport_vllm.config import resolve_settings  # noqa: E402
+from kvtransport_vllm.scheduler import SchedulerSide  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = b"the-shared-secret"
+COMPAT_INFO = {"model": "tiny-secret-model", "block_size": 16}
+COMPAT = proto.compat_hash(COMPAT_INFO)
+META = wire.encode_metadata({"instance": "dec0", "backend": "inproc", "host": "127.0.0.1", "port": 1, "capacity": 1,
+                             "layout_hash": "h", "layout_signature": {}, "layout": {}, "transport": {},
+                             "auth_required": True})
+
+
+def compat() -> tuple[str, dict[str, Any]]:
+    return COMPAT, dict(COMPAT_INFO)
+
+
+def hello(engine: str = "decode-A", workers: dict[str, str] | None = None) -> dict[str, Any]:
+    return {"type": "hello", "version": proto.PROTOCOL_VERSION, "engine_id": engine, "compat": COMPAT,
+            "compat_info": COMPAT_INFO, "tp_size": 1,
+            "workers": {"0": proto.b64(META)} if workers is None else workers}
+
+
+@pytest.fixture
+def server():
+    inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
+    srv = sc.SideChannelServer("127.0.0.1", 0, "prefill-P", compat, inbox, timeout=5.0, lease=30.0, secret=SECRET)
+    yield srv, inbox
+    srv.close()
+
+
+def dial(srv: Any) -> socket.socket:
+    return socket.create_connection((srv.host, srv.port), timeout=5)
+
+
+def handshake(srv: Any, secret: bytes | None = SECRET, body: dict[str, Any] | None = None) -> tuple[socket.socket, dict]:
+    """A raw client: challenge, sealed hello; returns the socket and the (unsealed when possible) reply."""
+    s = dial(srv)
+    challenge = proto.recv_message(s)
+    nonce = proto.new_nonce()
+    proto.send_message(s, proto.seal({**(body or hello()), "nonce": nonce.hex()}, secret,
+                                     bytes.fromhex(challenge["nonce"])))
+    reply = proto.recv_message(s)
+    if reply["type"] == "welcome":
+        reply = proto.unseal(reply, secret, nonce)
+    return s, reply
+
+
+def closed_by_peer(s: socket.socket, within: float = 5.0) -> bool:
+    s.settimeout(within)
+    try:
+        while s.recv(65536):
+            pass
+        return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_a_stranger_is_refused_and_told_nothing(server) -> None:
+    srv, inbox = server
+    s = dial(srv)
+    challenge = proto.recv_message(s)
+    assert set(challenge) == {"type", "version", "nonce"} and challenge["type"] == "challenge"
+    proto.send_message(s, hello())  # the old plain hello, no HMAC
+    assert proto.recv_message(s) == {"type": "refuse", "version": proto.PROTOCOL_VERSION, "reason": proto.REFUSED}
+    assert closed_by_peer(s)
+    assert inbox.empty() and srv.refused == 1
+
+
+def test_a_wrong_secret_is_refused_and_a_right_one_served(server) -> None:
+    srv, inbox = server
+    s, reply = handshake(srv, secret=b"not-the-secret")
+    assert reply == {"type": "refuse", "version": proto.PROTOCOL_VERSION, "reason": proto.REFUSED}
+    s.close()
+    assert inbox.empty()
+    s, reply = handshake(srv)
+    assert reply["type"] == "welcome" and reply["engine_id"] == "prefill-P" and reply["lease"] == 30.0
+    kind, engine, got = inbox.get(timeout=5)
+    assert (kind, engine) == ("hello", "decode-A") and got["workers"] == {0: META}
+    proto.send_message(s, {"type": "dst", "xfer": "x1", "mode": "push", "dsts": [{"seq": "r1", "blocks": [3, 4]}]})
+    assert inbox.get(timeout=5) == ("msg", "decode-A", {"type": "dst", "xfer": "x1", "mode": "push",
+                                                        "dsts": [{"seq": "r1", "blocks": [3, 4], "offset": 0}]})
+    s.close()
+
+
+def test_peer_client_proves_the_secret_and_fails_its_requests_on_a_wrong_one(server) -> None:
+    srv, inbox = server
+    good = sc.PeerClient(srv.host, srv.port, hello, compat, queue.Queue(), timeout=5, secret=SECRET)
+    assert inbox.get(timeout=5)[:2] == ("hello", "decode-A")
+    assert good.peer_engine == "prefill-P" and not good.dead
+    good.close()
+    decode_inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
+    bad = sc.PeerClient(srv.host, srv.port, hello, compat, decode_inbox, timeout=5, secret=b"wrong")
+    bad.send({"type": "dst", "xfer": "x", "dsts": [{"seq": "r9", "blocks": [1]}]})
+    kind, seq, reason = decode_inbox.get(timeout=5)
+    assert (kind, seq) == ("fail", "r9") and "KV_TRANSPORT_SECRET" in reason
+
+
+def test_the_client_refuses_a_prefill_that_does_not_prove_the_secret() -> None:
+    """Mutual: a fake prefill that answers with a welcome sealed by another secret is not trusted."""
+    with socket.create_server(("127.0.0.1", 0)) as lsock:
+        def fake_prefill() -> None:
+            conn, _ = lsock.accept()
+            with conn:
+                proto.send_message(conn, {"type": "challenge", "version": proto.PROTOCOL_VERSION,
+                                          "nonce": proto.new_nonce().hex()})
+                got = proto.parse_message(proto.recv_message(conn)["body"])
+                welcome = {"type": "welcome", "version": proto.PROTOCOL_VERSION, "engine_id": "impostor",
+                           "compat": COMPAT, "compat_info": COMPAT_INFO, "lease": 30.0}
+                proto.send_message(conn, proto.seal(welcome, b"impostor-secret", bytes.fromhex(got["nonce"])))
+                conn.recv(1)
+
+        threading.Thread(target=fake_prefill, daemon=True).start()
+        inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        client = sc.PeerClient("127.0.0.1", lsock.getsockname()[1], hello, compat, inbox, timeout=5, secret=SECRET)
+        client.send({"type": "dst", "xfer": "x", "dsts": [{"seq": "r1", "blocks": [1]}]})
+        kind, seq, reason = inbox.get(timeout=5)
+        assert (kind, seq) == ("fail", "r1") and "did not prove KV_TRANSPORT_SECRET" in reason
+        assert client.peer_engine is None
+
+
+def test_garbage_and_invalid_messages_are_dropped_and_the_connection_stays(server) -> None:
+    srv, inbox = server
+    s, _ = handshake(srv)
+    assert inbox.get(timeout=5)[0] == "hello"
+    junk = b"\xff\xfe not json at all"
+    s.sendall(struct.pack("!I", len(junk)) + junk)
+    for bad in ({"type": "dst", "xfer": "x", "dsts": [{"seq": "r", "blocks": ["3"]}]},
+                {"type": "dst", "xfer": "x", "dsts": [{"seq": "r", "blocks": [-1]}]},
+                {"type": "dst", "xfer": "x", "dsts": [{"seq": "r", "blocks": [1], "offset": float("inf")}]},
+                {"type": "dst", "xfer": "x", "dsts": [{"seq": "r", "blocks": [True]}]},
+                {"type": "cancel", "xfer": {"nested": 1}, "seqs": []},
+                {"type": "renew", "xfers": ["x"] * (proto.MAX_IDS + 1)},
+                {"type": "shutdown-everything"}):
+        body = json.dumps(bad).encode()
+        s.sendall(struct.pack("!I", len(body)) + body)
+    proto.send_message(s, {"type": "renew", "xfers": ["x1"]})
+    assert inbox.get(timeout=5) == ("msg", "decode-A", {"type": "renew", "xfers": ["x1"]})
+    assert srv.dropped == 8 and inbox.empty()
+    s.close()
+
+
+def test_oversized_frames_end_only_their_connection(server) -> None:
+    srv, inbox = server
+    stranger = dial(srv)
+    proto.recv_message(stranger)  # challenge
+    stranger.sendall(struct.pack("!I", proto.MAX_HELLO + 1))  # before authenticating: more than a hello may be
+    assert closed_by_peer(stranger), "an unauthenticated peer may announce a frame larger than MAX_HELLO"
+    s, _ = handshake(srv)
+    assert inbox.get(timeout=5)[0] == "hello"
+    s.sendall(struct.pack("!I", proto.MAX_MESSAGE + 1))
+    assert closed_by_peer(s)
+    assert inbox.get(timeout=5)[:2] == ("bye", "decode-A")
+    s2, reply = handshake(srv)  # the server still serves
+    assert reply["type"] == "welcome"
+    s2.close()
+
+
+def test_metadata_that_connect_would_reject_is_refused_at_hello(server) -> None:
+    srv, inbox = server
+    for workers in ({"0": proto.b64(b"KVTMjunk")}, {"0": "not base64!"}, {"-1": proto.b64(META)}, {"x": 3}):
+        s, reply = handshake(srv, body=hello(workers=workers))
+        assert reply["type"] == "refuse" and reply["reason"].startswith("malformed hello"), reply
+        s.close()
+    assert inbox.empty()
+
+
+def test_incompatible_authenticated_peer_learns_field_names_not_values(server) -> None:
+    srv, _ = server
+    body = {**hello(), "compat": "other", "compat_info": {**COMPAT_INFO, "block_size": 32}}
+    s, reply = handshake(srv, body=body)
+    assert reply["type"] == "refuse" and reply["reason"].endswith("fields that differ: block_size")
+    assert "16" not in reply["reason"] and "tiny-secret-model" not in reply["reason"]
+    s.close()
+
+
+def test_handshakes_are_bounded(server) -> None:
+    srv, _ = server
+    idle = [dial(srv) for _ in range(sc.MAX_HANDSHAKES)]
+    for s in idle:
+        proto.recv_message(s)  # each got its challenge: its handshake is running
+    extra = dial(srv)
+    assert closed_by_peer(extra), "a handshake beyond MAX_HANDSHAKES was served"
+    for s in idle:
+        s.close()
+    deadline = time.monotonic() + 10
+    reply: dict[str, Any] = {}
+    while reply.get("type") != "welcome" and time.monotonic() < deadline:  # slots return as the idle peers go
+        try:
+            s, reply = handshake(srv)
+            s.close()
+        except (OSError, proto.ProtocolFailure):
+            time.sleep(0.05)
+    assert reply.get("type") == "welcome"
+
+
+# ----------------------------------------------------------------------------- ownership (scheduler)
+@pytest.fixture
+def prefill():
+    side = SchedulerSide(settings=resolve_settings({"lease": 30}, env={}), engine_id="P", block_size=16,
+                         producer=True, consumer=False, compat_info={})
+    yield side
+    side.shutdown()
+
+
+def dst(xfer: str, seq: str, blocks: list[int]) -> dict[str, Any]:
+    return proto.check_message({"type": "dst", "xfer": xfer, "mode": "push",
+                                "dsts": [{"seq": seq, "blocks": blocks}]})
+
+
+def cancel(xfer: str, seqs: list[str], count: int = 0) -> dict[str, Any]:
+    return proto.check_message({"type": "cancel", "xfer": xfer, "mode": "push", "seqs": seqs, "count": count})
+
+
+def test_a_decode_cannot_act_on_another_decodes_request(prefill) -> None:
+    now = time.monotonic()
+    prefill._on_message("A", dst("x1", "rA", [5, 6]), now)  # destination before its prefill request (orphan)
+    prefill._on_message("B", cancel("x1", ["rA"]), now)
+    prefill._on_message("B", dst("x1", "rA", [9]), now)
+    assert [(d.engine, d.seq, d.blocks) for d in prefill.orphans["x1"][1]] == [("A", "rA", [5, 6])]
+    req = SimpleNamespace(request_id="p1", kv_transfer_params={"do_remote_decode": True, "kvt_xfer": "x1",
+                                                                "kvt_fanout": 1}, num_prompt_tokens=20)
+    src = prefill._register_source(req)
+    prefill._on_message("B", cancel("x1", ["rA"]), now)
+    prefill._on_message("B", cancel("x1", [], count=1), now)  # B does not hold x1
+    assert [(d.engine, d.seq, d.cancelled) for d in src.dsts] == [("A", "rA", False)] and src.cancels == 0
+    assert prefill.foreign_refused == 4
+    prefill._on_message("A", cancel("x1", ["rA"]), now)  # its owner may
+    assert src.dsts[0].cancelled
