@@ -38,9 +38,12 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from . import checks
 from .errors import ConfigurationError, InterfaceNotFound
 
 DEFAULT_CAPACITY = 1024
+MAX_CAPACITY = 1 << 20
+"""Sequence slots a receiver may be opened with (each costs a little memory up front)."""
 DEFAULT_TIMEOUT = 30.0
 ENV_PREFIX = "KV_TRANSPORT_"
 """Prefix of every knob other than ``KV_TRANSPORT`` and ``NET_IFNAME``."""
@@ -176,7 +179,11 @@ def resolve(
         "KV_TRANSPORT_CAPACITY", DEFAULT_CAPACITY, env=env)
     port = _typed("port", port, int) if port is not None else env_int("KV_TRANSPORT_PORT", 0, env=env)
     if timeout is None:
-        timeout = env_float("KV_TRANSPORT_TIMEOUT", DEFAULT_TIMEOUT, env=env, unit="number of seconds")
+        timeout = checks.timeout_seconds(env_float("KV_TRANSPORT_TIMEOUT", DEFAULT_TIMEOUT, env=env,
+                                                   unit="number of seconds"),
+                                         "KV_TRANSPORT_TIMEOUT", zero_ok=False, error=ConfigurationError)
+    else:
+        timeout = checks.timeout_seconds(timeout, "timeout", zero_ok=False, error=ConfigurationError)
     flags = {}
     for key, value, default in (("coalesce", coalesce, True), ("checksum", checksum, False),
                                 ("doorbell", doorbell, True)):
@@ -192,10 +199,8 @@ def resolve(
                         capacity=capacity, timeout=timeout, backend_options=dict(backend_options), **flags)
     if not 0 <= settings.port < 65536:
         raise ConfigurationError(f"port {settings.port} out of range 0..65535")
-    if settings.capacity < 1:
-        raise ConfigurationError(f"capacity must be >= 1, got {settings.capacity}")
-    if not settings.timeout > 0:
-        raise ConfigurationError(f"timeout must be > 0 seconds, got {settings.timeout}")
+    if not 1 <= settings.capacity <= MAX_CAPACITY:
+        raise ConfigurationError(f"capacity must be 1..{MAX_CAPACITY} sequence slots, got {settings.capacity}")
     return settings
 
 

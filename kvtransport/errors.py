@@ -11,8 +11,10 @@ backend-specific exception. ``error.fix`` says what to do about it where the mes
     │   ├── BackendUnavailable      installed, but cannot run here (the reason says why)
     │   └── InterfaceNotFound       NET_IFNAME names no interface (lists the ones present)
     ├── LayoutError                 a KV cache that cannot be described / used as given
-    ├── InvalidBlockIds             block id lists (or a layer index) rejected before any byte moves
-    ├── InvalidSequenceId           a sequence id that is not a str/int or too long for the wire
+    ├── InvalidArgument             a call's argument of the wrong type or out of range (a timeout that is not
+    │   │                           a finite number of seconds, a layer that is not an int, not a Peer ...)
+    │   ├── InvalidBlockIds         block id lists (or a layer index) rejected before any byte moves
+    │   └── InvalidSequenceId       a sequence id that is not a str/int or too long for the wire
     ├── ProtocolError               malformed, truncated, oversized or unauthenticated wire data
     │   └── VersionMismatch         peer speaks another wire/metadata version
     ├── IncompatiblePeer            peer's layout / backend / capacity does not match ours
@@ -20,7 +22,9 @@ backend-specific exception. ``error.fix`` says what to do about it where the mes
     │   ├── TransferTimeout         a bounded wait ran out
     │   ├── PeerDisconnected        the peer went away; its in-flight sequences failed
     │   ├── SequenceAborted         the sequence was released/cancelled while in flight
-    │   └── SlotsExhausted          the receiver's sequence table is full (back-pressure)
+    │   ├── SlotsExhausted          the receiver's sequence table is full (back-pressure), or this sender
+    │   │                           holds its share of it
+    │   └── ForeignSequence         the sequence belongs to another sender; this sender's event was refused
     └── CommClosed                  the CommManager was closed
 """
 
@@ -65,11 +69,16 @@ class LayoutError(KVTransportError):
     """The KV cache cannot be described as per-layer block regions, or is used inconsistently."""
 
 
-class InvalidBlockIds(KVTransportError):
+class InvalidArgument(KVTransportError, ValueError):
+    """An argument of a public call has the wrong type or is out of range; rejected before anything
+    happens (no byte moved, no state changed)."""
+
+
+class InvalidBlockIds(InvalidArgument):
     """Block id lists are malformed (length mismatch, negative, duplicate destination, out of range)."""
 
 
-class InvalidSequenceId(KVTransportError, ValueError):
+class InvalidSequenceId(InvalidArgument):
     """A sequence id is not a str or int (bool excluded), or is longer than the wire allows; rejected
     before any byte moves."""
 
@@ -106,6 +115,11 @@ class SlotsExhausted(TransferError):
     """The receiving side has no free sequence slot (capacity is part of the handshake)."""
 
 
+class ForeignSequence(TransferError):
+    """The receiver refused an event (put, signal, cancel) for a sequence that another sender owns: the
+    first sender to claim a sequence id (or the one named by ``expect``) owns it until it is released."""
+
+
 class CommClosed(KVTransportError):
     """The CommManager was closed; no further operations are possible."""
 
@@ -114,8 +128,10 @@ __all__ = [
     "BackendUnavailable",
     "CommClosed",
     "ConfigurationError",
+    "ForeignSequence",
     "IncompatiblePeer",
     "InterfaceNotFound",
+    "InvalidArgument",
     "InvalidBlockIds",
     "InvalidSequenceId",
     "KVTransportError",

@@ -27,7 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import doorbell, wire
+from . import checks, doorbell, wire
+from .admission import Admission, PendingHello, RateLimitedLog
 from .backend import InboundLink, OutboundLink, PeerInfo, Transport
 from .coalesce import BlockRun, coalesce, single_runs
 from .config import Settings
@@ -35,7 +36,9 @@ from .doorbell import BellReader, BellWriter
 from .errors import (
     CommClosed,
     ConfigurationError,
+    ForeignSequence,
     IncompatiblePeer,
+    InvalidArgument,
     InvalidBlockIds,
     KVTransportError,
     PeerDisconnected,
@@ -59,6 +62,18 @@ STARVED_NS = 200_000
 """A signaller kept from the interpreter this long by a busy caller thread gets it at the next API call."""
 BUSY_GAP_NS = 200_000
 """A caller that spent this long outside the sender API since its last call is taken to be busy in Python."""
+PREAUTH_TIMEOUT_S = 10.0
+"""A side-channel connection must complete its HELLO this soon (or within the manager's timeout if shorter)."""
+MAX_HANDSHAKES = 16
+"""Handshakes past their HELLO (link set-up with the backend) at once; more wait in the admission queue."""
+MAX_INBOUND = 4096
+"""Connected senders at once; one more is refused."""
+RECONNECT_PROBE_S = 2.0
+"""How long a reconnecting sender's handshake waits for its old, probed link to end (see _old_link_gone)."""
+MAX_FAILED_RECORDS = 65536
+"""Failed sequences a sender remembers per link (until release()); the oldest go first past it."""
+MAX_PENDING_CHECKSUMS = 4096
+"""Debug checksums one sender may have waiting for their signals; more drops its link (a bounded buffer)."""
 
 
 class _IdsKey:
@@ -100,6 +115,8 @@ class Stats:
     """Signals the receiver applied from a device-written doorbell before their SIGNAL frame came."""
     failures: int = 0
     refused_peers: int = 0
+    foreign_refused: int = 0
+    """Events (puts, signals, cancels) refused because their sequence belongs to another sender."""
     aborted: int = 0
 
 
@@ -147,21 +164,26 @@ class CommManager:
         self._layer_planes = [len(layer.planes) for layer in layout.layers]  # for the stats of a put
         self._layer_block_bytes = [layer.block_bytes for layer in layout.layers]
         try:
-            self._server = socket.create_server((settings.address, settings.port), reuse_port=False)
+            self._server = socket.create_server((settings.address, settings.port), reuse_port=False, backlog=1024)
         except OSError as exc:
             raise ConfigurationError(
                 f"cannot listen on {settings.address}:{settings.port} for the side channel ({exc.strerror or exc}); "
                 "pick another port (KV_TRANSPORT_PORT, 0 = any free one) or check NET_IFNAME's address"
             ) from None
-        self._server.settimeout(None)
         self.host, self.port = self._server.getsockname()[:2]
-        self._accept_thread = self._spawn(self._accept_loop, "kvt-accept")
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self._logs = RateLimitedLog(log)
+        self._admission = Admission(self._server, greet=_challenge, header_size=wire.FRAME_HEADER.size,
+                                    message_length=_hello_length, on_hello=self._on_hello,
+                                    preauth_timeout=min(settings.timeout, PREAUTH_TIMEOUT_S))
+        self._admission.start()
         log.info("kvtransport %s ready: backend=%s side channel %s:%d", self.instance, self.backend, self.host, self.port)
 
     # ================================================================ public API
     def metadata(self) -> bytes:
-        """What a peer needs to ``connect`` to us (versioned bytes, no pickle). Non-blocking."""
-        return wire.encode_metadata(self._metadata_fields())
+        """What a peer needs to ``connect`` to us (versioned bytes, no pickle; sealed with the secret when one is
+        set). Non-blocking."""
+        return wire.encode_metadata(self._metadata_fields(), self.settings.secret)
 
     def _metadata_fields(self) -> dict[str, Any]:
         return {
@@ -185,9 +207,11 @@ class CommManager:
         differ (before any byte moves), PeerDisconnected/TransferTimeout when the peer cannot be reached.
         """
         self._check_open()
-        timeout = self.settings.timeout if timeout is None else timeout
+        timeout = self.settings.timeout if timeout is None else checks.timeout_seconds(timeout, "connect timeout")
         deadline = time.monotonic() + timeout
-        meta = wire.decode_metadata(peer_metadata)
+        if not isinstance(peer_metadata, bytes | bytearray | memoryview):
+            raise InvalidArgument(f"peer metadata must be the bytes of cm.metadata(), got {type(peer_metadata).__name__}")
+        meta = wire.decode_metadata(bytes(peer_metadata), self.settings.secret)  # sealed, when we have a secret
         self._check_compatible(meta)
         peer_layout = KVLayout.from_wire(meta["layout"])
         info = PeerInfo(meta["instance"], meta["host"], peer_layout, meta["transport"])
@@ -207,7 +231,9 @@ class CommManager:
             except ValueError:
                 raise ProtocolError(f"malformed CHALLENGE from {label}: the nonce is not hex") from None
             dialer = self.transport.dial(info)
-            body = wire.json_payload({"metadata": self._metadata_fields(), "request": dialer.request})
+            our_nonce = secrets.token_bytes(16)  # the receiver proves the secret over it in its WELCOME
+            body = wire.json_payload({"metadata": self._metadata_fields(), "request": dialer.request,
+                                      "nonce": our_nonce.hex()})
             auth = wire.auth_tag(self.settings.secret, nonce, body) if self.settings.secret else None
             conn.send(FrameType.HELLO, wire.json_payload({"body": body.decode(), "auth": auth}))
             kind, payload = conn.recv(deadline)
@@ -216,6 +242,10 @@ class CommManager:
                 raise wire.error_from_wire(reply)
             if kind != FrameType.WELCOME or not isinstance(reply.get("reply"), dict):
                 raise ProtocolError(f"expected WELCOME from {label}, got {kind.name}")
+            if self.settings.secret is not None and not wire.auth_ok(
+                    self.settings.secret, our_nonce, b"welcome " + str(reply.get("instance")).encode(), reply.get("auth")):
+                raise ProtocolError(f"the receiver at {label} did not prove KV_TRANSPORT_SECRET in its WELCOME: "
+                                    "set the same secret on both sides")
             link = _complete_watching_refusal(conn, dialer, reply["reply"], deadline, label)
         except BaseException as exc:
             if dialer is not None:
@@ -250,8 +280,7 @@ class CommManager:
         for this sequence (e.g. SlotsExhausted, SequenceAborted), PeerDisconnected, CommClosed.
         """
         st = self._outbound_state(peer)
-        if not 0 <= layer < self.layout.num_layers:
-            raise InvalidBlockIds(f"layer {layer} out of range [0, {self.layout.num_layers})")
+        layer = checks.layer_index(layer, self.layout.num_layers)
         wire.check_seq_id(seq_id)
         runs = self._runs(src_block_ids, dst_block_ids, peer.layout.num_blocks)
         if not runs:
@@ -272,13 +301,7 @@ class CommManager:
         (one device kernel for CUDA IPC) do so; the others issue layer by layer. Asynchronous; same errors
         as :meth:`put_layer` (validation first, nothing moved on InvalidBlockIds)."""
         st = self._outbound_state(peer)
-        n = self.layout.num_layers
-        chosen = tuple(range(n)) if layers is None else tuple(layers)
-        for layer in chosen:
-            if not (isinstance(layer, int) and 0 <= layer < n):
-                raise InvalidBlockIds(f"layer {layer!r} out of range [0, {n})")
-        if len(set(chosen)) != len(chosen):
-            raise InvalidBlockIds(f"layers repeat: {list(chosen)}")
+        chosen = checks.layer_list(layers, self.layout.num_layers)
         wire.check_seq_id(seq_id)
         runs = self._runs(src_block_ids, dst_block_ids, peer.layout.num_blocks)
         if not runs or not chosen:
@@ -308,8 +331,10 @@ class CommManager:
         if (last is not None and type(src_block_ids) is list and type(dst_block_ids) is list
                 and last[2] == (src_block_ids, dst_block_ids, dst_blocks)):
             return last[1]  # same ids as the last call, compared as lists (C speed; no tuple, no hash)
+        src_ids = checks.block_id_list(src_block_ids, "source block ids")
+        dst_ids = checks.block_id_list(dst_block_ids, "destination block ids")
         try:
-            key = _IdsKey((tuple(src_block_ids), tuple(dst_block_ids), dst_blocks))
+            key = _IdsKey((src_ids, dst_ids, dst_blocks))
         except TypeError:
             raise InvalidBlockIds("block ids must be sequences of integers") from None
         if last is not None and last[0] == key:
@@ -322,7 +347,7 @@ class CommManager:
                 return runs
         limits = {"src_num_blocks": self.layout.num_blocks, "dst_num_blocks": dst_blocks}
         make = coalesce if self.settings.coalesce else single_runs
-        runs = tuple(make(src_block_ids, dst_block_ids, **limits))
+        runs = tuple(make(src_ids, dst_ids, **limits))
         with self._lock:
             self._runs_cache[key] = runs
             while len(self._runs_cache) > RUNS_CACHE:
@@ -334,17 +359,18 @@ class CommManager:
         """After this, the peer's ``wait_layer(seq_id, layer)`` returns once every earlier put landed.
 
         Non-blocking (one-sided backends flush on a background thread)."""
-        if not 0 <= layer < self.layout.num_layers:
-            raise InvalidBlockIds(f"layer {layer} out of range [0, {self.layout.num_layers})")
+        st = self._outbound_state(peer)
+        layer = checks.layer_index(layer, self.layout.num_layers)
         wire.check_seq_id(seq_id)
-        self._outbound_state(peer).signal(seq_id, layer)
+        st.signal(seq_id, layer)
         with self._stats_lock:
             self._stats.signals += 1
 
     def signal(self, peer: Peer, seq_id: SeqId) -> None:
         """After this, the peer's ``wait(seq_id)`` returns once every earlier put of it landed. Non-blocking."""
+        st = self._outbound_state(peer)
         wire.check_seq_id(seq_id)
-        self._outbound_state(peer).signal(seq_id, None)
+        st.signal(seq_id, None)
         with self._stats_lock:
             self._stats.signals += 1
 
@@ -352,7 +378,8 @@ class CommManager:
         """Block until every earlier put and signal towards ``peer`` has been delivered.
 
         Raises TransferTimeout, PeerDisconnected, or the first error a signal hit."""
-        self._outbound_state(peer).flush(self.settings.timeout if timeout is None else timeout)
+        st = self._outbound_state(peer)
+        st.flush(self.settings.timeout if timeout is None else checks.timeout_seconds(timeout, "flush timeout"))
 
     def expect(self, seq_id: SeqId, *, sender: str | bytes) -> None:
         """Receiver side: declare which sender will fill ``seq_id`` (its instance id or its metadata).
@@ -361,7 +388,12 @@ class CommManager:
         instead of running out the waiter's timeout. Takes a slot (SlotsExhausted when full). Non-blocking.
         """
         wire.check_seq_id(seq_id)
-        instance = sender if isinstance(sender, str) else wire.decode_metadata(sender)["instance"]
+        if isinstance(sender, str):
+            instance = sender
+        elif isinstance(sender, bytes | bytearray | memoryview):
+            instance = wire.decode_metadata(bytes(sender), self.settings.secret)["instance"]
+        else:
+            raise InvalidArgument(f"sender must be an instance id (str) or metadata (bytes), got {type(sender).__name__}")
         st = self._table.acquire(seq_id, peer=instance)
         if st is not None and st.peer == instance:
             with self._lock:
@@ -377,16 +409,18 @@ class CommManager:
     def wait(self, seq_id: SeqId, *, timeout: float) -> None:
         """Block until the sequence's signal arrived and all its puts landed (receiver side).
 
-        Raises TransferTimeout, PeerDisconnected, SequenceAborted, SlotsExhausted, CommClosed."""
-        self._table.wait(seq_id, timeout)
+        Raises TransferTimeout, PeerDisconnected, SequenceAborted, SlotsExhausted, CommClosed; InvalidArgument
+        (or InvalidSequenceId) for a bad argument."""
+        wire.check_seq_id(seq_id)
+        self._table.wait(seq_id, checks.timeout_seconds(timeout, "wait timeout"))
 
     def wait_layer(self, seq_id: SeqId, layer: int, *, timeout: float) -> None:
         """Block until ``layer`` of the sequence landed (a layer signal or the whole-sequence signal).
 
-        Same errors as :meth:`wait`; InvalidBlockIds for a layer out of range."""
-        if not 0 <= layer < self.layout.num_layers:
-            raise InvalidBlockIds(f"layer {layer} out of range [0, {self.layout.num_layers})")
-        self._table.wait_layer(seq_id, layer, timeout)
+        Same errors as :meth:`wait`; InvalidBlockIds for a layer that is not an int in range."""
+        layer = checks.layer_index(layer, self.layout.num_layers)
+        wire.check_seq_id(seq_id)
+        self._table.wait_layer(seq_id, layer, checks.timeout_seconds(timeout, "wait timeout"))
 
     def poll(self) -> list[SeqId]:
         """Sequences that finished (landed or failed) since the last poll; ``wait(s, timeout=0)`` tells which."""
@@ -399,6 +433,7 @@ class CommManager:
         """Forget a sequence on this side: frees its slot (receiver) and its error record (sender).
 
         Late data for it from a two-sided peer is discarded; waiters get SequenceAborted."""
+        wire.check_seq_id(seq_id)
         self._table.release(seq_id)
         with self._lock:
             outs = list(self._outbound)
@@ -415,6 +450,8 @@ class CommManager:
         cannot write and are not waited for. Waiters of the sequence get SequenceAborted.
         """
         self._check_open()
+        wire.check_seq_id(seq_id)
+        timeout = checks.timeout_seconds(timeout, "abort timeout")
         self._table.fail(seq_id, SequenceAborted(f"sequence {seq_id!r} was aborted by the receiver"))
         with self._lock:
             inbound = [ib for ib in self._inbound.values() if ib.peer is not None]
@@ -443,11 +480,14 @@ class CommManager:
         """Sender side: give a sequence up. Further puts/signals for it raise SequenceAborted; once the
         puts already issued have landed, the receiver is told, and its waits fail with SequenceAborted
         (so it may reuse the blocks at once). Non-blocking."""
+        st = self._outbound_state(peer)
         wire.check_seq_id(seq_id)
-        self._outbound_state(peer).cancel(seq_id)
+        st.cancel(seq_id)
 
     def disconnect(self, peer: Peer) -> None:
         """Close the link to ``peer`` (idempotent)."""
+        if not isinstance(peer, Peer):
+            raise InvalidArgument(f"expected a Peer from cm.connect(), got {type(peer).__name__}")
         with self._lock:
             if peer._state in self._outbound:
                 self._outbound.remove(peer._state)
@@ -474,6 +514,7 @@ class CommManager:
             outs, ins = list(self._outbound), list(self._inbound.values())
             self._outbound.clear()
         self._table.close(CommClosed("CommManager closed"))
+        self._admission.close()
         try:
             self._server.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -506,13 +547,16 @@ class CommManager:
     def _outbound_state(self, peer: Peer) -> _Outbound:
         self._check_open()
         if not isinstance(peer, Peer):
-            raise TypeError(f"expected a Peer from cm.connect(), got {type(peer).__name__}")
+            raise InvalidArgument(f"expected a Peer from cm.connect(), got {type(peer).__name__}")
         return peer._state
 
     def _spawn(self, fn: Any, name: str, *args: Any) -> threading.Thread:
+        """Start a daemon thread (joined at close). Raises RuntimeError when no thread can be started."""
         t = threading.Thread(target=fn, args=args, name=name, daemon=True)
         t.start()
-        self._threads.append(t)
+        with self._lock:  # finished threads are forgotten: the list does not grow with every connection
+            self._threads = [x for x in self._threads if x.is_alive()]
+            self._threads.append(t)
         return t
 
     def _count_failure(self) -> None:
@@ -535,19 +579,49 @@ class CommManager:
             raise IncompatiblePeer("cannot connect a CommManager to itself")
 
     # ---------------------------------------------------------------- receiver side
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                raw, addr = self._server.accept()
-            except OSError:
-                return
-            inbound = _Inbound(self, FramedSocket(raw, f"{addr[0]}:{addr[1]}", self.settings.timeout))
+    def _on_hello(self, hello: PendingHello) -> bool | None:
+        """Admission thread: a connection sent a complete HELLO. Checks the secret first (a stranger never gets
+        a thread), then hands the connection to a handshake thread of its own. Returns True when taken, False
+        while every handshake slot is busy (the admission queue offers it again), None when refused."""
+        try:
+            outer = wire.parse_json_payload(hello.payload, "HELLO")
+            body = outer.get("body")
+            if not isinstance(body, str):
+                raise ProtocolError("HELLO without body")
+            if self.settings.secret is not None and not wire.auth_ok(
+                    self.settings.secret, hello.nonce, body.encode(), outer.get("auth")):
+                with self._stats_lock:
+                    self._stats.refused_peers += 1
+                raise ProtocolError("handshake authentication failed: the peer does not know KV_TRANSPORT_SECRET "
+                                    "(set the same secret on both sides)")
             with self._lock:
                 if self._closed:
-                    inbound.close()
-                    return
-                self._inbound[id(inbound)] = inbound
-            self._spawn(inbound.serve, f"kvt-in-{addr[1]}")
+                    raise CommClosed("CommManager closed")
+                if len(self._inbound) >= MAX_INBOUND:
+                    raise ProtocolError(f"this receiver already serves {MAX_INBOUND} senders; try another")
+        except KVTransportError as exc:
+            self._logs.log(logging.INFO, "refused", "side-channel connection from %s refused: %s", hello.label, exc)
+            _refuse_now(hello.sock, exc)
+            return None
+        if not self._handshakes.acquire(blocking=False):
+            return False
+        hello.sock.setblocking(True)
+        conn = FramedSocket(hello.sock, hello.label, self.settings.timeout)
+        conn.preload(hello.leftover)
+        inbound = _Inbound(self, conn)
+        with self._lock:
+            self._inbound[id(inbound)] = inbound
+        try:
+            self._spawn(inbound.serve, f"kvt-in-{hello.label.rsplit(':', 1)[-1]}", body)
+        except RuntimeError as exc:  # no thread could be started (a transient shortage): refuse, keep serving
+            self._handshakes.release()
+            with self._lock:
+                self._inbound.pop(id(inbound), None)
+            self._logs.log(logging.WARNING, "spawn", "kvtransport: cannot start a thread for %s (%s); refused",
+                           hello.label, exc)
+            inbound.close()
+            return None
+        return True
 
     def _add_bell(self, inbound: _Inbound) -> None:
         with self._lock:
@@ -568,15 +642,64 @@ class CommManager:
             state = max(state, inbound.poll_bell())
         return state
 
+    def _old_link_gone(self, instance: str) -> bool:
+        """Whether no live link of sender ``instance`` remains. A sender that reconnects after a partition
+        may find its old link still here (its close never arrived): the old connection is probed (a PONG,
+        which a live sender ignores; a sender that closed it answers with a reset) and given
+        RECONNECT_PROBE_S to go. Handshake thread; bounded."""
+        with self._lock:
+            old = [ib for ib in self._inbound.values() if ib.peer == instance]
+        if not old:
+            return True
+        for ib in old:
+            try:
+                ib.conn.send(FrameType.PONG)
+            except KVTransportError:
+                ib.conn.close()  # already broken: its reader ends now
+        deadline = time.monotonic() + min(RECONNECT_PROBE_S, self.settings.timeout)
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not any(ib.peer == instance for ib in self._inbound.values()):
+                    return True
+            time.sleep(0.02)
+        return False
+
     def _drop_inbound(self, inbound: _Inbound) -> None:
         with self._lock:
             self._inbound.pop(id(inbound), None)
+            self._table.peers = max(1, sum(1 for ib in self._inbound.values() if ib.peer is not None))
             if inbound.peer is not None:
                 self._departed[inbound.peer] = None
                 while len(self._departed) > 1024:
                     self._departed.popitem(last=False)
         if inbound.peer is not None:  # sequences expected from it (and not landed) fail now
             self._table.fail_peer(inbound.peer, PeerDisconnected(f"sender {inbound.peer} disconnected"))
+
+
+def _challenge() -> tuple[bytes, bytes]:
+    """A fresh nonce and the CHALLENGE frame carrying it (sent to each connection on accept)."""
+    nonce = secrets.token_bytes(16)
+    return nonce, wire.frame(FrameType.CHALLENGE, wire.json_payload({"nonce": nonce.hex()}))
+
+
+def _hello_length(header: bytes) -> int:
+    """The payload length of a connection's first frame, which must be a HELLO (ProtocolError otherwise)."""
+    kind, length = wire.parse_header(header)
+    if kind != FrameType.HELLO:
+        raise ProtocolError(f"expected HELLO, got {kind.name}")
+    return length
+
+
+def _refuse_now(sock: socket.socket, exc: KVTransportError) -> None:
+    """Best effort: tell a connection still in its handshake why it is refused (one small non-blocking
+    write), then close it."""
+    try:
+        sock.setblocking(False)
+        sock.send(wire.frame(FrameType.REFUSE, wire.json_payload({"error": type(exc).__name__, "message": str(exc)})))
+    except OSError:
+        pass
+    finally:
+        sock.close()
 
 
 def _complete_watching_refusal(conn: FramedSocket, dialer: Any, reply: dict[str, Any], deadline: float,
@@ -637,6 +760,7 @@ class _Inbound:
         self.peer: str | None = None
         self.closed = False
         self._checksums: dict[SeqId, list[tuple[int, int, list[BlockRun]]]] = {}
+        self._pending_checksums = 0
         self._acks: dict[tuple[SeqId, int], threading.Event] = {}
         self._acks_lock = threading.Lock()
         self.bell: BellReader | None = None  # the sender's doorbell, when it offered one we could map
@@ -656,10 +780,15 @@ class _Inbound:
         if ev is not None:
             ev.set()
 
-    def serve(self) -> None:
+    def serve(self, hello_body: str) -> None:
+        """Handshake thread, then the connection's reader: ``hello_body`` is the HELLO's body (its HMAC over
+        our CHALLENGE's nonce was checked on admission when a secret is set)."""
         cm = self.cm
         try:
-            self._handshake()
+            try:
+                self._handshake(hello_body)
+            finally:
+                cm._handshakes.release()
             assert self.link is not None and self.peer is not None
             two_sided = not cm.capabilities.one_sided
             while True:
@@ -720,7 +849,14 @@ class _Inbound:
             with cm._stats_lock:
                 cm._stats.sequences_completed += completed
         for seq, _, exc in refused:
-            self.conn.send(FrameType.NACK, wire.encode_error(seq, exc))
+            self._refuse(seq, exc)
+
+    def _refuse(self, seq: SeqId, exc: KVTransportError) -> None:
+        """Tell the sender that its event for ``seq`` was refused (NACK); foreign ones are counted."""
+        if isinstance(exc, ForeignSequence):
+            with self.cm._stats_lock:
+                self.cm._stats.foreign_refused += 1
+        self.conn.send(FrameType.NACK, wire.encode_error(seq, exc))
 
     def _on_frame(self, kind: FrameType, payload: bytes, two_sided: bool) -> None:
         """Every frame but SIGNAL, in order."""
@@ -731,6 +867,9 @@ class _Inbound:
             seq, ck_layer, crc, runs = wire.decode_checksum(payload)
             if ck_layer >= cm.layout.num_layers or any(r.dst + r.count > cm.layout.num_blocks for r in runs):
                 raise ProtocolError("CHECKSUM frame outside our layout")
+            self._pending_checksums += 1
+            if self._pending_checksums > MAX_PENDING_CHECKSUMS:
+                raise ProtocolError(f"more than {MAX_PENDING_CHECKSUMS} checksums wait for their signals")
             self._checksums.setdefault(seq, []).append((ck_layer, crc, runs))
         elif kind == FrameType.ABORT_ACK:
             seq, token = wire.decode_abort(payload)
@@ -741,6 +880,9 @@ class _Inbound:
                 cm._table.acquire(seq, peer=self.peer, remote=True)
             except SlotsExhausted:
                 pass
+            except ForeignSequence as exc:  # another sender's sequence: not ours to cancel
+                self._refuse(seq, exc)
+                return
             cm._table.fail(seq, SequenceAborted(f"sequence {seq!r} was cancelled by the sender"))
         elif kind == FrameType.PING:
             self.conn.send(FrameType.PONG)
@@ -787,27 +929,12 @@ class _Inbound:
             log.info("doorbell signals from %s: %s", self.peer, exc)
         return 2
 
-    def _handshake(self) -> None:
+    def _handshake(self, body: str) -> None:
+        """The handshake past the (admitted, authenticated) HELLO: metadata, compatibility, the backend's link."""
         cm = self.cm
         deadline = time.monotonic() + cm.settings.timeout
-        nonce = secrets.token_bytes(16)
-        self.conn.send(FrameType.CHALLENGE, wire.json_payload({"nonce": nonce.hex()}))
-        kind, payload = self.conn.recv(deadline)
-        if kind != FrameType.HELLO:
-            raise ProtocolError(f"expected HELLO, got {kind.name}")
-        outer = wire.parse_json_payload(payload, "HELLO")
-        body = outer.get("body")
-        if not isinstance(body, str):
-            raise ProtocolError("HELLO without body")
         answer = None
         try:
-            if cm.settings.secret is not None and not wire.auth_ok(cm.settings.secret, nonce, body.encode(), outer.get("auth")):
-                with cm._stats_lock:
-                    cm._stats.refused_peers += 1
-                raise ProtocolError(
-                    "handshake authentication failed: the peer does not know KV_TRANSPORT_SECRET "
-                    "(set the same secret on both sides)"
-                )
             hello = wire.parse_json_payload(body.encode(), "HELLO body")
             meta = hello.get("metadata")
             request = hello.get("request")
@@ -815,11 +942,26 @@ class _Inbound:
                 raise ProtocolError("HELLO body lacks metadata/request")
             meta = wire.decode_metadata(wire.encode_metadata(meta))  # same validation as connect()
             cm._check_compatible(meta)
+            if not cm._old_link_gone(meta["instance"]):  # one link per sender: no one takes over another's id
+                raise IncompatiblePeer(f"a sender with instance id {meta['instance']} is already connected")
             info = PeerInfo(meta["instance"], meta["host"], KVLayout.from_wire(meta["layout"]), meta["transport"])
             answer = cm.transport.answer(info, request)
-            self.conn.send(FrameType.WELCOME, wire.json_payload({"reply": answer.reply, "instance": cm.instance}))
+            welcome: dict[str, Any] = {"reply": answer.reply, "instance": cm.instance}
+            if cm.settings.secret is not None:  # we prove the secret too, over the sender's fresh nonce
+                try:
+                    their_nonce = bytes.fromhex(str(hello.get("nonce", "")))
+                except ValueError:
+                    raise ProtocolError("malformed HELLO: its nonce is not hex") from None
+                if len(their_nonce) < 16:
+                    raise ProtocolError("HELLO without a nonce of 16 bytes or more")
+                welcome["auth"] = wire.auth_tag(cm.settings.secret, their_nonce, b"welcome " + cm.instance.encode())
+            self.conn.send(FrameType.WELCOME, wire.json_payload(welcome))
             self.link = answer.complete(max(0.001, deadline - time.monotonic()))
-            self.peer = meta["instance"]
+            with cm._lock:
+                if meta["instance"] in (ib.peer for ib in cm._inbound.values()):  # (one that raced us)
+                    raise IncompatiblePeer(f"a sender with instance id {meta['instance']} is already connected")
+                self.peer = meta["instance"]
+                cm._table.peers = max(1, sum(1 for ib in cm._inbound.values() if ib.peer is not None))
             self.peer_layout = info.layout
         except KVTransportError as exc:
             if answer is not None:
@@ -836,12 +978,17 @@ class _Inbound:
         cm = self.cm
         pending = self._checksums.get(seq, [])
         due = [c for c in pending if layer is None or c[0] == layer]
+        self._pending_checksums -= len(due)
         self._checksums[seq] = [c for c in pending if c not in due]
         if not self._checksums[seq]:
             del self._checksums[seq]
         for lyr, crc, runs in due:
             if pieces_crc32(cm.layout.layers[lyr], runs, source=False) != crc:
-                cm._table.acquire(seq, peer=self.peer, remote=True)
+                try:
+                    cm._table.acquire(seq, peer=self.peer, remote=True)
+                except ForeignSequence as exc:
+                    self._refuse(seq, exc)
+                    return False
                 cm._table.fail(seq, TransferError(
                     f"integrity check failed for sequence {seq!r} layer {lyr}: the bytes that landed differ "
                     "from what was sent (silent corruption on the path)"))
@@ -863,12 +1010,12 @@ class _Inbound:
             dropped: KVTransportError | None = None
             if st is None:
                 dropped = TransferError(f"sequence {seq!r} was released by the receiver; data discarded")
-        except SlotsExhausted as exc:
+        except (SlotsExhausted, ForeignSequence) as exc:
             st, dropped = None, exc
         if st is None or st.finished:
             self.link.discard(layer, runs, cm.settings.timeout)
             if dropped is not None:
-                self.conn.send(FrameType.NACK, wire.encode_error(seq, dropped))
+                self._refuse(seq, dropped)
             return
         self.link.receive(layer, runs, cm.settings.timeout)
         nblocks = sum(r.count for r in runs)
@@ -1095,8 +1242,13 @@ class _Outbound:
         self._parking.after_call(end_of_burst=False)
 
     def mark_failed(self, seq: SeqId, exc: KVTransportError) -> None:
+        """Record that ``seq`` failed on this link (its next put/signal raises ``exc``). Bounded: past
+        MAX_FAILED_RECORDS the oldest records go (a receiver cannot grow our memory with made-up NACKs)."""
         with self._lock:
+            self._failed.pop(seq, None)
             self._failed[seq] = exc
+            while len(self._failed) > MAX_FAILED_RECORDS:
+                del self._failed[next(iter(self._failed))]
 
     def _on_abort(self, seq: SeqId, token: int) -> None:
         """The receiver aborts ``seq``: refuse further puts, let issued ones land, then confirm."""
@@ -1331,8 +1483,7 @@ class _Outbound:
                 kind, payload = self.conn.recv()
                 if kind == FrameType.NACK:
                     seq, exc = wire.decode_nack(payload)
-                    with self._lock:
-                        self._failed[seq] = exc
+                    self.mark_failed(seq, exc)
                     self.cm._count_failure()
                 elif kind == FrameType.ABORT:
                     self._on_abort(*wire.decode_abort(payload))

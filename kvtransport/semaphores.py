@@ -6,6 +6,14 @@ Each slot records which layers have landed, whether the whole sequence has, and 
 numbers are reused; a per-slot *generation* counts reuses so late events for an old occupant can be fenced.
 
 Thread-safe. Every wait takes a timeout. A full table raises :class:`SlotsExhausted` at once, never blocks.
+
+Ownership: a sequence belongs to the peer that first claims it (a remote event, or ``expect``); events for it
+from another peer raise :class:`ForeignSequence` and change nothing. Share, while two or more senders are
+connected (one alone may use every slot): once no more than ``reserve`` (capacity/4) slots are free, a peer
+that already holds its share, ``(capacity - reserve) / peers``, gets no new slot (SlotsExhausted); and when the
+table is full, a slot asked for locally or by a peer below its share is taken from the peer holding the most,
+if that one is above its share: its oldest slot that nobody on this side claimed (``wait``/``expect``) fails
+with SlotsExhausted and is freed. So one sender, or a peer making up ids, cannot keep every slot from others.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from dataclasses import dataclass, field
 from .errors import (
     CommClosed,
     ConfigurationError,
+    ForeignSequence,
     InvalidBlockIds,
     KVTransportError,
     SequenceAborted,
@@ -55,6 +64,8 @@ class SequenceSlot:
     complete: bool = False
     error: KVTransportError | None = None
     reported: bool = False
+    expected: bool = False
+    """Claimed on this side (``wait``/``expect``): never taken away from its peer for the share rule."""
 
     @property
     def finished(self) -> bool:
@@ -74,6 +85,10 @@ class SequenceTable:
         self._free = list(range(capacity - 1, -1, -1))  # pop() gives the lowest slot
         self._generations = [0] * capacity
         self._tombstones: OrderedDict[SeqId, None] = OrderedDict()
+        self._held: dict[str, int] = {}  # remote peer -> slots it owns
+        self.reserve = capacity // 4
+        self.peers = 1
+        """Connected senders (the manager keeps it current): a peer's share is (capacity - reserve) / peers."""
         self._closed: KVTransportError | None = None
         self.poller: Callable[[], int] | None = None
         """Set while some completions arrive by doorbell (kvtransport.doorbell): waiters call it between
@@ -86,28 +101,78 @@ class SequenceTable:
         """Return the slot of ``seq_id``, taking a free one if it has none. Non-blocking.
 
         ``remote=True`` marks an event from a peer: for a recently released id it returns ``None`` (the
-        event must be dropped) instead of reviving the sequence. Raises :class:`SlotsExhausted` when full.
+        event must be dropped) instead of reviving the sequence; for an id another peer owns it raises
+        :class:`ForeignSequence`. Raises :class:`SlotsExhausted` when full, or when ``peer`` holds its share
+        and the free slots are down to the reserve (module docstring).
         """
         with self._cond:
             self._check_open()
             st = self._by_seq.get(seq_id)
             if st is not None:
-                if peer is not None and st.peer is None:
-                    st.peer = peer
+                if not remote:
+                    st.expected = True
+                if peer is not None:
+                    if st.peer is None:
+                        if remote:
+                            self._check_share(peer)
+                        st.peer = peer
+                        self._held[peer] = self._held.get(peer, 0) + 1
+                    elif remote and st.peer != peer:
+                        raise ForeignSequence(f"sequence {seq_id!r} belongs to another sender")
                 return st
             if remote and seq_id in self._tombstones:
                 return None
-            self._tombstones.pop(seq_id, None)
+            if peer is not None and remote:
+                self._check_share(peer)
+            if not self._free:
+                self._evict_for(peer if remote else None)
             if not self._free:
                 raise SlotsExhausted(
                     f"all {self.capacity} sequence slots are in use; release() finished sequences or raise "
                     "the capacity (open(..., capacity=N))"
                 )
+            self._tombstones.pop(seq_id, None)
             slot = self._free.pop()
             self._generations[slot] += 1
-            st = SequenceSlot(seq_id, slot, self._generations[slot], peer)
+            st = SequenceSlot(seq_id, slot, self._generations[slot], peer, expected=not remote)
             self._by_seq[seq_id] = st
+            if peer is not None:
+                self._held[peer] = self._held.get(peer, 0) + 1
             return st
+
+    def _share(self) -> int:
+        return max(1, (self.capacity - self.reserve) // max(1, self.peers))
+
+    def _check_share(self, peer: str) -> None:
+        """Under the lock: SlotsExhausted if ``peer`` may not take one more slot now."""
+        if self.peers < 2 or len(self._free) > self.reserve:
+            return
+        held = self._held.get(peer, 0)
+        if held >= self._share():
+            raise SlotsExhausted(
+                f"this sender holds {held} of the receiver's {self.capacity} sequence slots, its share while "
+                f"slots are short ({len(self._free)} free); release() finished sequences or raise the capacity"
+            )
+
+    def _evict_for(self, requester: str | None) -> None:
+        """Under the lock, the table full: free one slot for a local claim (``requester`` None) or for a peer
+        below its share, from the peer holding the most if it is above its share (module docstring)."""
+        if self.peers < 2 or not self._held:
+            return
+        share = self._share()
+        if requester is not None and self._held.get(requester, 0) >= share:
+            return
+        hog, held = max(self._held.items(), key=lambda kv: kv[1])
+        if held <= share or hog == requester:
+            return
+        victim = next((st for st in self._by_seq.values() if st.peer == hog and not st.expected), None)
+        if victim is None:
+            return
+        victim.error = SlotsExhausted(f"sequence {victim.seq_id!r} was dropped: its sender held {held} of the "
+                                      f"receiver's {self.capacity} slots, more than its share ({share}), and "
+                                      "another needed one")
+        self._cond.notify_all()
+        self._remove(victim.seq_id)
 
     def release(self, seq_id: SeqId) -> bool:
         """Free the slot of ``seq_id`` (waiters get :class:`SequenceAborted` if it had not finished).
@@ -115,19 +180,31 @@ class SequenceTable:
         Returns whether the id held a slot. Late remote events for it are dropped afterwards.
         """
         with self._cond:
-            st = self._by_seq.pop(seq_id, None)
-            self._tombstones[seq_id] = None
-            self._tombstones.move_to_end(seq_id)
-            while len(self._tombstones) > TOMBSTONES:
-                self._tombstones.popitem(last=False)
+            st = self._remove(seq_id)
             if st is None:
                 return False
             if not st.finished:
                 st.error = SequenceAborted(f"sequence {seq_id!r} was released before it completed")
-            self._free.append(st.slot)
-            self._free.sort(reverse=True)
             self._cond.notify_all()
             return True
+
+    def _remove(self, seq_id: SeqId) -> SequenceSlot | None:
+        """Under the lock: forget ``seq_id`` (tombstoned: late remote events are dropped), free its slot."""
+        st = self._by_seq.pop(seq_id, None)
+        if st is not None and st.peer is not None:
+            left = self._held.get(st.peer, 0) - 1
+            if left > 0:
+                self._held[st.peer] = left
+            else:
+                self._held.pop(st.peer, None)
+        self._tombstones[seq_id] = None
+        self._tombstones.move_to_end(seq_id)
+        while len(self._tombstones) > TOMBSTONES:
+            self._tombstones.popitem(last=False)
+        if st is not None:
+            self._free.append(st.slot)
+            self._free.sort(reverse=True)
+        return st
 
     # ---------------------------------------------------------------- progress
     def mark_layer(self, seq_id: SeqId, layer: int, *, peer: str | None = None) -> None:
@@ -149,17 +226,17 @@ class SequenceTable:
 
     def mark_many(
         self, events: list[tuple[SeqId, int | None]], *, peer: str | None = None
-    ) -> list[tuple[SeqId, int | None, SlotsExhausted]]:
+    ) -> list[tuple[SeqId, int | None, SlotsExhausted | ForeignSequence]]:
         """Apply several landed events in order: ``(seq_id, layer)`` as :meth:`mark_layer`, ``(seq_id, None)``
-        as :meth:`mark_complete`; one lock round and one wake-up for all. Returns the events refused for want
-        of a slot, with their error (the others are applied)."""
-        refused: list[tuple[SeqId, int | None, SlotsExhausted]] = []
+        as :meth:`mark_complete`; one lock round and one wake-up for all. Returns the events refused (no slot
+        for them, or a sequence that another peer owns), with their error; the others are applied."""
+        refused: list[tuple[SeqId, int | None, SlotsExhausted | ForeignSequence]] = []
         changed = False
         with self._cond:
             for seq_id, layer in events:
                 try:
                     st = self._remote_slot(seq_id, peer)
-                except SlotsExhausted as exc:
+                except (SlotsExhausted, ForeignSequence) as exc:
                     refused.append((seq_id, layer, exc))
                     continue
                 if st is None or st.finished:
@@ -195,8 +272,6 @@ class SequenceTable:
     def _remote_slot(self, seq_id: SeqId, peer: str | None) -> SequenceSlot | None:
         try:
             return self.acquire(seq_id, peer=peer, remote=True)
-        except SlotsExhausted:
-            raise
         except CommClosed:
             return None
 

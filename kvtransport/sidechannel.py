@@ -67,6 +67,16 @@ class FramedSocket:
         self._poller = select.poll()
         self._poller.register(sock.fileno(), select.POLLIN)
 
+    def preload(self, data: bytes) -> None:
+        """Bytes of this stream read before this object took the socket (they come first). Reader thread."""
+        if not data:
+            return
+        pending = bytes(self._buf[self._start : self._end]) + data
+        if len(pending) > len(self._buf):
+            self._buf = bytearray(len(pending))
+        self._buf[: len(pending)] = pending
+        self._start, self._end = 0, len(pending)
+
     def send(self, kind: FrameType, payload: bytes = b"") -> None:
         """Send one frame; raises PeerDisconnected / TransferTimeout (bounded by ``send_timeout``)."""
         self._send_bytes(frame(kind, payload))
@@ -134,14 +144,13 @@ class FramedSocket:
         """The next ``n`` bytes of the stream."""
         buf = self._buf
         if self._end - self._start < n:
-            if n > len(buf):  # a large frame (metadata): read it straight into its own buffer
-                out = bytearray(n)
-                have = self._end - self._start
-                out[:have] = buf[self._start : self._end]
+            if n > len(buf):  # a large frame (metadata): its own buffer, grown only as its bytes arrive
+                out = bytearray(buf[self._start : self._end])
                 self._start = self._end = 0
-                view = memoryview(out)
-                while have < n:
-                    have += self._fill(view[have:], deadline)
+                chunk = memoryview(bytearray(min(n, 1 << 20)))
+                while len(out) < n:
+                    got = self._fill(chunk[: min(len(chunk), n - len(out))], deadline)
+                    out += chunk[:got]
                 return bytes(out)
             if self._start:  # make room at the end
                 have = self._end - self._start

@@ -72,10 +72,17 @@ class FrameType(enum.IntEnum):
 
 
 # ---------------------------------------------------------------------- metadata
-def encode_metadata(fields: dict[str, Any]) -> bytes:
-    """Versioned metadata bytes from a JSON-able dict."""
+METADATA_AUTH_CONTEXT = b"kvtransport metadata v1"
+
+
+def encode_metadata(fields: dict[str, Any], secret: bytes | None = None) -> bytes:
+    """Versioned metadata bytes from a JSON-able dict; with ``secret``, sealed: a NUL and an HMAC of the JSON
+    follow it, so that a peer holding the same secret can tell it came from one of us, unaltered."""
     body = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
-    return METADATA_MAGIC + struct.pack("!H", METADATA_VERSION) + body
+    out = METADATA_MAGIC + struct.pack("!H", METADATA_VERSION) + body
+    if secret is not None:
+        out += b"\0" + auth_tag(secret, METADATA_AUTH_CONTEXT, body).encode()
+    return out
 
 
 REQUIRED_METADATA: dict[str, type | tuple[type, ...]] = {
@@ -92,8 +99,10 @@ REQUIRED_METADATA: dict[str, type | tuple[type, ...]] = {
 }
 
 
-def decode_metadata(data: bytes) -> dict[str, Any]:
-    """Parse and validate metadata bytes. Raises ProtocolError / VersionMismatch; never anything else."""
+def decode_metadata(data: bytes, secret: bytes | None = None) -> dict[str, Any]:
+    """Parse and validate metadata bytes; with ``secret``, they must be sealed with it (see
+    :func:`encode_metadata`), before anything of them is used. Raises ProtocolError / VersionMismatch;
+    never anything else."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise ProtocolError(f"peer metadata must be bytes, got {type(data).__name__}")
     data = bytes(data)
@@ -106,7 +115,11 @@ def decode_metadata(data: bytes) -> dict[str, Any]:
         raise VersionMismatch(
             f"peer metadata version {version}, ours {METADATA_VERSION}: run the same kvtransport version on both sides"
         )
-    fields = _json_object(data[6:], "metadata")
+    body, sealed, tag = data[6:].partition(b"\0")
+    if secret is not None and not (sealed and auth_ok(secret, METADATA_AUTH_CONTEXT, body, tag.decode("latin-1"))):
+        raise ProtocolError("peer metadata is not sealed with our KV_TRANSPORT_SECRET: it comes from a peer without "
+                            "the secret (or another one), or was altered; set the same secret on both sides")
+    fields = _json_object(body, "metadata")
     for key, typ in REQUIRED_METADATA.items():
         if not isinstance(fields.get(key), typ) or isinstance(fields.get(key), bool) is not (typ is bool):
             raise ProtocolError(f"peer metadata field {key!r} missing or not {getattr(typ, '__name__', typ)}")

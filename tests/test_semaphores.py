@@ -153,3 +153,36 @@ def test_landed_layer_survives_a_later_peer_failure():
         t.wait_layer("a", 1, timeout=0.1)
     with pytest.raises(PeerDisconnected):
         t.wait("a", timeout=0.1)
+
+
+def test_a_peer_alone_may_use_every_slot_but_gives_them_up_to_a_newcomer() -> None:
+    """One sender connected: every slot is usable. A second one connects while the first holds them all
+    (say, ids it made up that nobody waits for): the newcomer's first slot is taken from the first peer's
+    oldest unclaimed sequence, which fails with SlotsExhausted; the first peer gets no more."""
+    from kvtransport.errors import SlotsExhausted
+    from kvtransport.semaphores import SequenceTable
+
+    t = SequenceTable(8, 2)
+    for i in range(8):
+        t.acquire(f"junk-{i}", peer="A", remote=True)
+    assert t.in_use == 8
+    t.peers = 2  # the legitimate sender connects
+    st = t.acquire("real", peer="L", remote=True)
+    assert st is not None and st.peer == "L" and t.get("junk-0") is None and t.in_use == 8
+    with pytest.raises(SlotsExhausted, match="its share"):
+        t.acquire("junk-8", peer="A", remote=True)
+    t.acquire("local-wait")  # a local claim finds a slot too (from A, which is still above its share)
+    assert t.get("junk-1") is None
+
+
+def test_claimed_slots_are_never_taken_for_the_share() -> None:
+    from kvtransport.errors import SlotsExhausted
+    from kvtransport.semaphores import SequenceTable
+
+    t = SequenceTable(4, 1)
+    for i in range(4):
+        t.acquire(f"e{i}", peer="A")  # expected (claimed on this side) for A
+    t.peers = 2
+    with pytest.raises(SlotsExhausted):
+        t.acquire("x", peer="L", remote=True)
+    assert t.in_use == 4

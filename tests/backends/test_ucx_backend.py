@@ -50,3 +50,72 @@ def test_unknown_option_is_refused():
         kt.open(HostCache(SPEC).layout, backend="ucx", bogus=1)
     assert str(info.value) == ("kvtransport.open() with backend ucx: unknown option 'bogus'; valid options: backend, "
                                "capacity, checksum, coalesce, doorbell, ifname, port, secret, timeout, tls")
+
+
+ALTERED_METADATA_CHILD = r"""
+import json, sys
+import kvtransport as kt
+from kvtransport import wire
+from kvtransport.testing.cache import CacheSpec, HostCache
+spec = CacheSpec(num_layers=2, num_blocks=8, heads=2, block_size=4, head_dim=8, order="NHD")
+with kt.open(HostCache(spec).layout, backend="ucx") as r, kt.open(HostCache(spec).layout, backend="ucx") as s:
+    meta = wire.decode_metadata(r.metadata())
+    worker = bytearray.fromhex(meta["transport"]["worker"])
+    how = sys.argv[1]
+    if how == "version":
+        worker[0] = (worker[0] & 0xF0) | 0x7  # a header version libucp asserts on
+    elif how == "short":
+        worker = worker[:4]
+    elif how == "regions":
+        meta["transport"]["regions"] = [[-1, 10, "00"]]
+    meta["transport"]["worker"] = worker.hex()
+    try:
+        s.connect(wire.encode_metadata(meta))
+        print("CONNECTED")
+    except kt.KVTransportError as exc:
+        print(type(exc).__name__, exc)
+    peer = s.connect(r.metadata())  # the process is alive and the genuine metadata still works
+    print("STILL-WORKS", peer.path)
+"""
+
+
+@pytest.mark.parametrize("how", ["version", "short", "regions"])
+def test_altered_ucx_metadata_is_refused_before_it_reaches_libucp(how):
+    """Metadata whose packed worker address carries a header version libucp asserts on (or an implausible
+    size, or impossible regions) is refused with IncompatiblePeer; the process survives (a child process: on
+    the unchecked path libucp aborts it)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", ALTERED_METADATA_CHILD, how], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    assert proc.stdout.startswith("IncompatiblePeer"), proc.stdout
+    assert "STILL-WORKS" in proc.stdout
+
+
+REPEATED_ERRORS_CHILD = r"""
+import kvtransport as kt
+from kvtransport.testing.cache import CacheSpec, HostCache
+spec = CacheSpec(num_layers=2, num_blocks=8, heads=2, block_size=4, head_dim=8, order="NHD")
+with kt.open(HostCache(spec).layout, backend="ucx") as r, kt.open(HostCache(spec).layout, backend="ucx") as s:
+    ep = s.connect(r.metadata())._state.link.ep
+    for _ in range(500):  # a garbage remote key: libucs logs two ERROR lines per attempt
+        try:
+            ep.unpack_rkey(b"\x05" * 11)
+        except Exception:
+            pass
+"""
+
+
+def test_repeated_library_errors_are_rate_limited():
+    """500 failing rkey unpacks (1,000 UCX ERROR lines unchecked) print at most 5 per message site, plus one
+    line saying the rest is suppressed."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", REPEATED_ERRORS_CHILD], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = (proc.stdout + proc.stderr).splitlines()  # (libucs prints to stdout by default)
+    assert sum("UCX  ERROR" in line for line in lines) == 10, lines[-40:]
+    assert sum("further ones from there are suppressed" in line for line in lines) == 2, lines[-40:]

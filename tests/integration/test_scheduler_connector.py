@@ -756,3 +756,32 @@ def _spy_timings(pr: Pair) -> dict[str, list[float]]:
 
     pr.pc.stats_delta = spy
     return seen
+
+
+def test_decode_requests_are_bound_to_the_prefill_workers_that_push_them(pair) -> None:
+    """The prefill's welcome names its workers' kvtransport instance ids; the decode's plan binds each
+    request it waits for to the worker of its rank (workers then ``expect`` that sender only)."""
+    import kvtransport
+    from kvtransport.testing.cache import CacheSpec, HostCache
+
+    pr = pair()
+    with kvtransport.open(HostCache(CacheSpec(1, 4, 1, 2, 4)).layout, backend="inproc") as cm:
+        meta = cm.metadata()  # (a decode's hello carries its workers' real metadata)
+    # no backend/layout fields: the compatibility hashes of both sides stay equal
+    pr.pc.set_worker_metadata({0: {"instance": "prefill-worker-0", "metadata": meta}})
+    pr.dc.set_worker_metadata({0: {"instance": "decode-worker-0", "metadata": meta}})
+    prompt = list(range(1200, 1240))
+    _, dparams = pr.push_params("bind")
+    dreq = make_request(prompt, params=dparams)
+    pr.d.add_request(dreq)
+    bound: dict = {}
+
+    def told() -> bool:
+        so = _step(pr.d)
+        bound.update(plan_of(so).recv_from)
+        return dreq.request_id in bound
+
+    wait_until(told)
+    assert bound[dreq.request_id] == {0: "prefill-worker-0"}
+    addr = (pr.pc.host, pr.pc.port)
+    assert pr.dc.prefill_senders[addr] == {0: "prefill-worker-0"}

@@ -109,6 +109,9 @@ def test_peer_client_proves_the_secret_and_fails_its_requests_on_a_wrong_one(ser
     srv, inbox = server
     good = sc.PeerClient(srv.host, srv.port, hello, compat, queue.Queue(), timeout=5, secret=SECRET)
     assert inbox.get(timeout=5)[:2] == ("hello", "decode-A")
+    deadline = time.monotonic() + 5
+    while good.peer_engine is None and time.monotonic() < deadline:  # (the server is told before the client)
+        time.sleep(0.01)
     assert good.peer_engine == "prefill-P" and not good.dead
     good.close()
     decode_inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
@@ -196,24 +199,36 @@ def test_incompatible_authenticated_peer_learns_field_names_not_values(server) -
     s.close()
 
 
-def test_handshakes_are_bounded(server) -> None:
+def test_idle_strangers_cost_no_thread_and_do_not_lock_out_a_real_decode(server) -> None:
+    """300 connections take their challenge and then say nothing (more than MAX_HANDSHAKES, fewer than the
+    admission's MAX_PENDING): none gets a thread, and a real decode engine is welcomed meanwhile. Closed, they
+    are forgotten."""
     srv, _ = server
-    idle = [dial(srv) for _ in range(sc.MAX_HANDSHAKES)]
+    before = {t.name for t in threading.enumerate()}
+    idle = [dial(srv) for _ in range(300)]
     for s in idle:
-        proto.recv_message(s)  # each got its challenge: its handshake is running
-    extra = dial(srv)
-    assert closed_by_peer(extra), "a handshake beyond MAX_HANDSHAKES was served"
+        proto.recv_message(s)  # each got its challenge
+    time.sleep(0.2)
+    assert sum(t.name == "kvt-sc-in" for t in threading.enumerate()) == sum(n == "kvt-sc-in" for n in before)
+    s, reply = handshake(srv)
+    assert reply["type"] == "welcome"
+    s.close()
     for s in idle:
         s.close()
-    deadline = time.monotonic() + 10
-    reply: dict[str, Any] = {}
-    while reply.get("type") != "welcome" and time.monotonic() < deadline:  # slots return as the idle peers go
-        try:
-            s, reply = handshake(srv)
-            s.close()
-        except (OSError, proto.ProtocolFailure):
-            time.sleep(0.05)
-    assert reply.get("type") == "welcome"
+    deadline = time.monotonic() + 5
+    while srv.admission.pending and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert srv.admission.pending == 0
+
+
+def test_a_hello_announced_beyond_the_bound_is_dropped_unread(server) -> None:
+    srv, _ = server
+    s = dial(srv)
+    proto.recv_message(s)
+    s.sendall(struct.pack("!I", proto.MAX_HELLO + 1))  # announces more than a stranger may send
+    assert closed_by_peer(s)
+    s, reply = handshake(srv)
+    assert reply["type"] == "welcome"
 
 
 # ----------------------------------------------------------------------------- ownership (scheduler)

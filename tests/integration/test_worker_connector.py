@@ -217,3 +217,28 @@ def test_failed_receives_name_their_blocks_for_vllm_before_0_32(pd, monkeypatch)
         time.sleep(0.01)
     assert "gone" in recving and errors == {5, 6, 9}  # an abort is not a load error
     assert c.get_block_ids_with_load_errors() == set() and d.blocks_of({"late", "gone"}) == set()
+
+
+def test_a_bound_request_refuses_another_prefills_push(pd) -> None:
+    """A decode request bound to its prefill worker (``recv_from``) takes no KV from another peer: that
+    peer's puts and signals are refused (and counted), the request does not complete, and the right prefill's
+    push then lands."""
+    p, d, src, dst = pd
+    other = worker(vllm_like_cache(2))
+    try:
+        meta = d.handshake()["metadata"]
+        d.bind(StepPlan(recv_start={"bound": 60}, recv_from={"bound": {0: p.cm.instance}}))
+        step(other, StepPlan(peers={"D": {0: meta}},
+                             layer_pushes=[Push("x", "bound", "D", (1, 2), (30, 31), final=True)]), src)
+        deadline = time.monotonic() + 20
+        while d.cm.stats()["foreign_refused"] < 3 and time.monotonic() < deadline:  # its puts and signals
+            time.sleep(0.05)
+        assert d.cm.stats()["foreign_refused"] >= 3, d.cm.stats()
+        assert "bound" not in d.transfer_results().finished_recving
+        step(p, StepPlan(peers={"D": {0: meta}},
+                         layer_pushes=[Push("y", "bound", "D", (3, 4), (30, 31), final=True)]), src)
+        poll(d, "finished_recving", "bound")
+        for name in src:
+            assert torch.equal(src[name][3], dst[name][30]) and torch.equal(src[name][4], dst[name][31])
+    finally:
+        other.shutdown()

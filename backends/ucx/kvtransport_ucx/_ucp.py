@@ -30,9 +30,11 @@ compiled), ``KV_TRANSPORT_UCX_NO_C_HELPER`` (boolean: issue puts from Python).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import hashlib
+import logging
 import os
 import select
 import shutil
@@ -419,6 +421,75 @@ def _find_wheel_libucp() -> tuple[ctypes.CDLL, ctypes.CDLL, str]:
     return ucp_h, ucs_h, str(ucp_h._name)
 
 
+class _LogLimiter:
+    """A libucs log handler (``ucs_log_push_handler``) that lets each message site (file:line) print at most
+    ``burst`` times per ``window`` seconds; the rest are suppressed and counted in one line through our logger
+    when the window ends. A peer that fails in a loop (garbage keys, a dead endpoint) must not flood stderr.
+
+    Runs on whatever thread UCX logs from (ctypes takes the GIL); never raises into C."""
+
+    SIGNATURE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p, ctypes.c_uint, ctypes.c_char_p, ctypes.c_int,
+                                 ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
+    STOP, CONTINUE = 0, 1  # ucs_log_func_rc_t
+
+    def __init__(self, burst: int = 5, window: float = 10.0) -> None:
+        self.burst = burst
+        self.window = window
+        self.sites: dict[tuple[bytes, int], list[Any]] = {}  # site -> [window start, printed, suppressed, format]
+        self.lock = threading.Lock()
+        self.callback = self.SIGNATURE(self._handle)
+        self.log = logging.getLogger("kvtransport.ucx")
+
+    def _handle(self, file: bytes | None, line: int, function: bytes | None, level: int, comp: int | None,
+                fmt: bytes | None, ap: int | None) -> int:
+        try:
+            now = time.monotonic()
+            key = (file or b"", int(line))
+            with self.lock:
+                site = self.sites.get(key)
+                if site is None or now - site[0] >= self.window:
+                    if site is not None and site[2]:
+                        self.log.warning("libucx: %d more messages like %r (%s:%d) suppressed in %.0fs", site[2],
+                                         (site[3] or b"").decode(errors="replace")[:160],
+                                         key[0].decode(errors="replace").rsplit("/", 1)[-1], key[1], self.window)
+                    site = [now, 0, 0, fmt]
+                    self.sites[key] = site
+                    while len(self.sites) > 4096:
+                        self.sites.pop(next(iter(self.sites)))
+                if site[1] < self.burst:
+                    site[1] += 1
+                    return self.CONTINUE
+                site[2] += 1
+                first = site[2] == 1
+            if first:  # (outside the lock: the logger may take its own)
+                self.log.warning("libucx: repeating message %r (%s:%d); further ones from there are suppressed for "
+                                 "%.0fs", (fmt or b"").decode(errors="replace")[:160],
+                                 key[0].decode(errors="replace").rsplit("/", 1)[-1], key[1], self.window)
+            return self.STOP
+        except Exception:  # never into C
+            return self.CONTINUE
+
+
+_log_limiter: _LogLimiter | None = None
+
+
+def _install_log_limiter(ucs: ctypes.CDLL) -> None:
+    """Push the rate-limiting log handler once per process (popped at exit: UCX may log during teardown)."""
+    global _log_limiter
+    if _log_limiter is not None:
+        return
+    try:
+        push, pop = ucs.ucs_log_push_handler, ucs.ucs_log_pop_handler
+    except AttributeError:  # a libucs without handlers: its own logging stays as it is
+        return
+    push.restype = pop.restype = None
+    push.argtypes = [_LogLimiter.SIGNATURE]
+    pop.argtypes = []
+    _log_limiter = _LogLimiter()
+    push(_log_limiter.callback)
+    atexit.register(pop)
+
+
 _lib: _Lib | None = None
 _lib_error: BaseException | None = None
 _lib_lock = threading.Lock()
@@ -451,6 +522,7 @@ def _load() -> _Lib:
             if isinstance(e, ConfigurationError):  # a bad KV_TRANSPORT_UCX_* value: its message is the fix
                 raise UcpUnavailableError(str(e)) from e
             raise UcpUnavailableError(f"cannot load libucp: {e}; {_INSTALL_HINT}") from e
+        _install_log_limiter(ucs)
         _lib = lib
         return lib
 

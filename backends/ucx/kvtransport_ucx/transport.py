@@ -218,14 +218,53 @@ def torch_device_index(device: str) -> int:
     return dev.index if dev.index is not None else torch.cuda.current_device()
 
 
+MAX_WORKER_ADDRESS = 64 << 10
+MAX_REGIONS = 4096
+MAX_RKEY = 64 << 10
+UCP_ADDRESS_VERSIONS = (0, 1)
+"""ucp_object_version_t values a packed worker address may carry in its first byte's low nibble (V1, V2);
+libucp aborts the process on any other (``ucs_assertv_always``), so they are refused before it sees one."""
+
+
+def check_worker_address(blob: bytes) -> bytes:
+    """A peer's packed UCX worker address, checked as far as it can be without libucp: a plausible size and a
+    header version libucp handles. Raises IncompatiblePeer (nothing of it reached native code)."""
+    if not 8 <= len(blob) <= MAX_WORKER_ADDRESS:
+        raise IncompatiblePeer(f"peer's ucx worker address is {len(blob)} bytes (8..{MAX_WORKER_ADDRESS} expected)")
+    if blob[0] & 0x0F not in UCP_ADDRESS_VERSIONS:
+        raise IncompatiblePeer(f"peer's ucx worker address has format version {blob[0] & 0x0F}, which this UCX does "
+                               "not read: another UCX release, or altered metadata (set KV_TRANSPORT_SECRET: "
+                               "metadata is then sealed)")
+    return blob
+
+
+def _region_rows(regions: Any) -> list[tuple[int, int, bytes]]:
+    """The peer's (address, length, packed rkey) rows, checked for types, counts and sizes."""
+    if not isinstance(regions, list) or len(regions) > MAX_REGIONS:
+        raise IncompatiblePeer(f"peer's ucx metadata has no list of at most {MAX_REGIONS} regions")
+    rows = []
+    for row in regions:
+        if not (isinstance(row, list) and len(row) == 3 and all(type(v) is int for v in row[:2])
+                and isinstance(row[2], str) and len(row[2]) <= 2 * MAX_RKEY):
+            raise IncompatiblePeer("peer's ucx metadata has malformed regions")
+        addr, length = row[0], row[1]
+        if not (0 <= addr < 1 << 64 and 0 < length < 1 << 64 and addr + length <= 1 << 64):
+            raise IncompatiblePeer("peer's ucx metadata has a region outside the address space")
+        try:
+            rkey = bytes.fromhex(row[2])
+        except ValueError:
+            raise IncompatiblePeer("peer's ucx metadata has malformed regions") from None
+        if not rkey:
+            raise IncompatiblePeer("peer's ucx metadata has an empty remote key")
+        rows.append((addr, length, rkey))
+    return sorted(rows)
+
+
 class _RemoteRegions:
     """The peer's registered extents, and which remote key covers an address."""
 
     def __init__(self, ep: _ucp.UcpEndpoint, regions: Any) -> None:
-        try:
-            rows = sorted((int(a), int(n), bytes.fromhex(str(k))) for a, n, k in regions)
-        except (TypeError, ValueError):
-            raise IncompatiblePeer("peer's ucx metadata has malformed regions") from None
+        rows = _region_rows(regions)
         self.starts = [a for a, _, _ in rows]
         self.ends = [a + n for a, n, _ in rows]
         self.rkeys = [ep.unpack_rkey(k) for _, _, k in rows]
@@ -244,9 +283,14 @@ class _UcxOutLink(OutboundLink):
         info = peer.transport
         if info.get("memory") not in ("host", "cuda") or not isinstance(info.get("worker"), str):
             raise IncompatiblePeer("peer's ucx metadata is incomplete")
+        try:
+            address = check_worker_address(bytes.fromhex(info["worker"]))
+        except ValueError:
+            raise IncompatiblePeer("peer's ucx worker address is not hex") from None
+        _region_rows(info.get("regions", []))  # checked before the endpoint exists
         with tr.lock:
             try:
-                self.ep = tr.worker.create_endpoint(bytes.fromhex(info["worker"]))
+                self.ep = tr.worker.create_endpoint(address)
                 self.remote = _RemoteRegions(self.ep, info.get("regions", []))
                 lanes = self.ep.transport_list()
             except _ucp.UcpError as exc:

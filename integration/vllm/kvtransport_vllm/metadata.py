@@ -48,10 +48,13 @@ class StepPlan:
     """Decode requests aborted while waiting: stop accepting their data, report finished_recving."""
     recv_fail: dict[str, str] = field(default_factory=dict)
     """Decode requests the prefill side cannot serve -> reason (reported as failed receives)."""
+    recv_from: dict[str, dict[int, str]] = field(default_factory=dict)
+    """Decode requests -> tp rank -> the kvtransport instance id of the prefill worker that pushes to that
+    rank (workers ``expect`` it: no other peer may write, signal or cancel the request)."""
 
     def is_empty(self) -> bool:
         return not (self.peers or self.layer_pushes or self.whole_pushes or self.send_release
-                    or self.recv_start or self.recv_abort or self.recv_fail)
+                    or self.recv_start or self.recv_abort or self.recv_fail or self.recv_from)
 
 
 @dataclass

@@ -81,6 +81,18 @@ def recv_message(sock: socket.socket, limit: int = MAX_MESSAGE) -> dict[str, Any
     return parse_message(_recv_exact(sock, size))
 
 
+def check_senders(raw: Any) -> dict[int, str]:
+    """A welcome's ``senders`` (tp rank -> kvtransport instance id) as {int: str}; what does not fit (types,
+    more than MAX_IDS entries, ids of more than 64 characters) is left out. Never raises."""
+    if not isinstance(raw, dict) or len(raw) > MAX_IDS:
+        return {}
+    out: dict[int, str] = {}
+    for rank, instance in raw.items():
+        if isinstance(rank, str) and rank.isdigit() and isinstance(instance, str) and 0 < len(instance) <= 64:
+            out[int(rank)] = instance
+    return out
+
+
 def parse_message(raw: bytes | str) -> dict[str, Any]:
     """A JSON object with a string ``type``. Raises MalformedMessage."""
     try:

@@ -138,7 +138,8 @@ class SchedulerSide:
         if producer:
             self.server = SideChannelServer(self.host, settings.side_channel_port, engine_id, self.compat,
                                             self.inbox, settings.connect_timeout, lease=settings.lease,
-                                            answer_now=self._answer_now, secret=settings.secret)
+                                            answer_now=self._answer_now, secret=settings.secret,
+                                            senders=self._sender_ids)
             self.port = self.server.port
             log.info("kvtransport connector: side channel of engine %s on %s:%d", engine_id, self.host, self.port)
         else:
@@ -171,6 +172,8 @@ class SchedulerSide:
         self._recv_blocks: dict[str, list[int]] = {}
         self._recv_abort: list[str] = []
         self._recv_fail: dict[str, str] = {}
+        self._recv_from: dict[str, dict[int, str]] = {}
+        self.prefill_senders: dict[tuple[str, int], dict[int, str]] = {}  # prefill addr -> rank -> instance id
         self.wanted: dict[str, tuple[str, tuple[str, int]]] = {}  # decode req -> (xfer, prefill addr) not landed
         self._last_renew = 0.0
         self.arrived: dict[str, float] = {}  # decode push-flow req -> when it arrived (admission bound)
@@ -192,6 +195,11 @@ class SchedulerSide:
             info["layout_hash"] = w0.get("layout_hash")
             info["layer_names"] = w0.get("layer_names")
         return info
+
+    def _sender_ids(self) -> dict[str, str]:
+        """Our workers' kvtransport instance ids by tp rank (told to decodes, which bind requests to them).
+        Thread-safe (read-only)."""
+        return {str(r): str(m["instance"]) for r, m in self.worker_meta.items() if isinstance(m.get("instance"), str)}
 
     def compat(self) -> tuple[str, dict[str, Any]]:
         """(hash, fields) both sides must agree on. Thread-safe (read-only)."""
@@ -339,6 +347,8 @@ class SchedulerSide:
         self.recvs[rid] = _Recv(rid, xfer, addr, time.monotonic())
         self._recv_start[rid] = self.settings.transfer_timeout
         self._recv_blocks[rid] = unhashed
+        if addr in self.prefill_senders:
+            self._recv_from[rid] = self.prefill_senders[addr]
         if doomed is not None:
             log.warning("kvtransport: KV for %s will not come: %s", rid, doomed)
             self._recv_fail[rid] = doomed
@@ -431,6 +441,7 @@ class SchedulerSide:
             plan.recv_blocks, self._recv_blocks = self._recv_blocks, {}
             plan.recv_abort, self._recv_abort = self._recv_abort, []
             plan.recv_fail, self._recv_fail = self._recv_fail, {}
+            plan.recv_from, self._recv_from = self._recv_from, {}
             self._flush_outgoing()
         return plan
 
@@ -520,6 +531,7 @@ class SchedulerSide:
                     self.wanted.pop(seq, None)
             elif kind == "lost":
                 _, addr, reason = ev
+                self.prefill_senders.pop(tuple(addr), None)  # a restarted prefill tells its new workers
                 for rid, rec in self.recvs.items():
                     if rec.addr == tuple(addr) and rid not in self._recv_fail:
                         log.warning("kvtransport: %s loses its prefill: %s", rid, reason)
@@ -528,6 +540,12 @@ class SchedulerSide:
                 for rid, (_, waddr) in self.wanted.items():  # not allocated yet: admitted only to fail
                     if waddr == tuple(addr) and rid not in self.recvs and rid not in self.consumed:
                         self.doomed[rid] = PREFILL_LOST + str(reason)
+            elif kind == "senders":  # that prefill's workers: bind the requests already waiting on it
+                _, addr, senders = ev
+                self.prefill_senders[tuple(addr)] = senders
+                for rid, rec in self.recvs.items():
+                    if rec.addr == tuple(addr):
+                        self._recv_from[rid] = senders
             elif kind == "ready":
                 for xfer in ev[2]:
                     self.ready_xfers[str(xfer)] = now

@@ -10,18 +10,22 @@ Inbox events (tuples)::
     ("fail", seq, reason)                client: the prefill side cannot serve ``seq`` (or is unreachable)
     ("ready", (host, port), xfers)       client: that prefill is about to compute these transfers (allocate now)
     ("lost", (host, port), reason)       client: an established connection to that prefill ended
+    ("senders", (host, port), senders)   client: that prefill's workers' kvtransport instance ids (rank -> id)
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from kvtransport.admission import Admission, PendingHello, RateLimitedLog
 from kvtransport.sidechannel import block_with_send_bound, enable_keepalive
 
 from .protocol import (
@@ -33,8 +37,10 @@ from .protocol import (
     ProtocolFailure,
     check_hello,
     check_message,
+    check_senders,
     describe_mismatch,
     new_nonce,
+    parse_message,
     parse_nonce,
     recv_message,
     seal,
@@ -47,7 +53,10 @@ log = logging.getLogger("vllm.kvtransport")
 Inbox = queue.Queue[tuple[Any, ...]]  # see module docstring
 CompatFn = Callable[[], tuple[str, dict[str, Any]]]
 MAX_HANDSHAKES = 32
-"""Connections the server lets run a handshake at once (more are closed at once, unread)."""
+"""Authenticated handshakes (compatibility check, welcome) running at once; more wait in the admission queue."""
+PREAUTH_TIMEOUT_S = 10.0
+"""A connection must send its hello this soon (or within the connect timeout, if shorter)."""
+_LENGTH = struct.Struct("!I")
 
 class _Conn:
     """One established connection: a writer thread draining ``out`` and a reader loop run by the owner.
@@ -100,17 +109,21 @@ class SideChannelServer:
 
     Started by the prefill (producer) scheduler. ``send(engine_id, msg)`` is non-blocking. Only checked
     messages (``check_hello`` / ``check_message``) reach the inbox; a malformed one is dropped and counted in
-    ``dropped``, the connection stays. At most ``MAX_HANDSHAKES`` unauthenticated connections at once, each
-    bounded to one ``MAX_HELLO`` frame within ``timeout``.
+    ``dropped``, the connection stays. Connections are admitted as the core's are
+    (:class:`kvtransport.admission.Admission`): until its hello is complete and (with a secret) proved, a
+    connection costs no thread and at most what it sent of one ``MAX_HELLO`` frame, within
+    ``PREAUTH_TIMEOUT_S``; an accept error or a thread that cannot start is logged and survived.
     """
 
     def __init__(self, address: str, port: int, engine_id: str, compat: CompatFn, inbox: Inbox,
                  timeout: float, lease: float = 0.0,
                  answer_now: Callable[[str, dict[str, Any]], dict[str, Any] | None] | None = None,
-                 secret: bytes | None = None) -> None:
+                 secret: bytes | None = None, senders: Callable[[], dict[str, str]] | None = None) -> None:
         """``answer_now(engine, msg)``, called on the connection's reader thread for each checked message: a
         reply to send at once instead of queueing ``msg`` for the scheduler (which runs only while its engine
-        steps), or None."""
+        steps), or None. ``senders()``: tp rank (str) -> the kvtransport instance id of our worker of that rank,
+        told to each decode in the welcome."""
+        self._senders = senders
         self.engine_id = engine_id
         self._secret = secret
         self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
@@ -124,9 +137,14 @@ class SideChannelServer:
         self._lock = threading.Lock()
         self._conns: dict[str, _Conn] = {}
         self._closed = False
-        self._sock = socket.create_server((address, port), reuse_port=False)
+        self._sock = socket.create_server((address, port), reuse_port=False, backlog=1024)
         self.host, self.port = self._sock.getsockname()[:2]
-        threading.Thread(target=self._accept_loop, name="kvt-sc-accept", daemon=True).start()
+        self._logs = RateLimitedLog(log)
+        self.admission = Admission(self._sock, greet=_greet, header_size=_LENGTH.size,
+                                   message_length=lambda header: int(_LENGTH.unpack(header)[0]),
+                                   on_hello=self._on_hello, preauth_timeout=min(timeout, PREAUTH_TIMEOUT_S),
+                                   max_hello_bytes=MAX_HELLO, name="kvt-sc-accept")
+        self.admission.start()
 
     def send(self, engine_id: str, msg: dict[str, Any]) -> bool:
         """Queue ``msg`` for ``engine_id``; False when that engine is not connected."""
@@ -137,37 +155,46 @@ class SideChannelServer:
         conn.send(msg)
         return True
 
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                sock, addr = self._sock.accept()
-            except OSError:
-                return
-            if not self._handshakes.acquire(blocking=False):
-                log.warning("side channel: %d handshakes already running; closing %s:%s unread", MAX_HANDSHAKES,
-                            addr[0], addr[1])
-                sock.close()
-                continue
-            threading.Thread(target=self._serve, args=(sock, f"{addr[0]}:{addr[1]}"), name="kvt-sc-in",
+    def _on_hello(self, pending: PendingHello) -> bool | None:
+        """Admission thread: a connection sent its complete hello. A stranger is refused here, told nothing
+        but that (no thread, no compatibility fields); the rest of the handshake runs on a thread of its own.
+        True when taken, False while MAX_HANDSHAKES run (offered again), None when refused."""
+        try:
+            if pending.leftover:
+                raise AuthFailure("sent more than its hello before the welcome")
+            frame = parse_message(pending.payload)
+            if frame.get("type") != "hello":
+                raise AuthFailure(f"expected hello, got {str(frame.get('type'))[:32]!r}")
+            hello = unseal(frame, self._secret, pending.nonce)
+        except (AuthFailure, MalformedMessage) as exc:  # a stranger: told nothing but that it was refused
+            self.refused += 1
+            self._logs.log(logging.WARNING, "unauthenticated", "refusing a side-channel peer from %s: "
+                           "unauthenticated: %s", pending.label, exc)
+            _tell_and_close(pending.sock, {"type": "refuse", "version": PROTOCOL_VERSION, "reason": REFUSED})
+            return None
+        if self._closed:
+            pending.sock.close()
+            return None
+        if not self._handshakes.acquire(blocking=False):
+            return False
+        try:
+            threading.Thread(target=self._serve, args=(pending.sock, pending.label, hello), name="kvt-sc-in",
                              daemon=True).start()
+        except RuntimeError as exc:  # no thread could be started now: refuse this one, keep serving
+            self._handshakes.release()
+            self._logs.log(logging.WARNING, "spawn", "side channel: cannot start a thread for %s (%s); closed",
+                           pending.label, exc)
+            pending.sock.close()
+            return None
+        return True
 
     def _refuse(self, sock: socket.socket, label: str, engine: object, reason: str, told: str) -> None:
         self.refused += 1
         log.error("refusing decode engine %s from %s: %s", str(engine)[:64], label, reason)
         send_message(sock, {"type": "refuse", "version": PROTOCOL_VERSION, "reason": told})
 
-    def _handshake(self, sock: socket.socket, label: str) -> dict[str, Any] | None:
-        """Challenge, authenticate, check: the checked hello, or None when refused (the peer was told)."""
-        nonce = new_nonce()
-        send_message(sock, {"type": "challenge", "version": PROTOCOL_VERSION, "nonce": nonce.hex()})
-        try:
-            frame = recv_message(sock, MAX_HELLO)
-            if frame.get("type") != "hello":
-                raise AuthFailure(f"expected hello, got {str(frame.get('type'))[:32]!r}")
-            hello = unseal(frame, self._secret, nonce)
-        except (AuthFailure, MalformedMessage) as exc:  # a stranger: told nothing but that it was refused
-            self._refuse(sock, label, "?", f"unauthenticated: {exc}", REFUSED)
-            return None
+    def _handshake(self, sock: socket.socket, label: str, hello: dict[str, Any]) -> dict[str, Any] | None:
+        """Check the (authenticated) hello: the checked hello, or None when refused (the peer was told)."""
         ours, info = self._compat()
         try:
             if hello.get("version") != PROTOCOL_VERSION:
@@ -186,18 +213,18 @@ class SideChannelServer:
                          + describe_mismatch(info, theirs, values=False))
             return None
         welcome = {"type": "welcome", "version": PROTOCOL_VERSION, "engine_id": self.engine_id, "compat": ours,
-                   "compat_info": info, "lease": self.lease}
+                   "compat_info": info, "lease": self.lease, "senders": self._senders() if self._senders else {}}
         send_message(sock, seal(welcome, self._secret, checked.pop("nonce")))
         return checked
 
-    def _serve(self, sock: socket.socket, label: str) -> None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def _serve(self, sock: socket.socket, label: str, authenticated: dict[str, Any]) -> None:
         engine = None
         why = "connection ended"
         try:
             try:
+                sock.setblocking(True)
                 sock.settimeout(self._timeout)
-                hello = self._handshake(sock, label)
+                hello = self._handshake(sock, label, authenticated)
             finally:
                 self._handshakes.release()
             if hello is None:
@@ -243,6 +270,7 @@ class SideChannelServer:
 
     def close(self) -> None:
         self._closed = True
+        self.admission.close()
         try:
             self._sock.close()
         except OSError:
@@ -251,6 +279,26 @@ class SideChannelServer:
             conns, self._conns = list(self._conns.values()), {}
         for c in conns:
             c.close()
+
+
+def _greet() -> tuple[bytes, bytes]:
+    """A fresh nonce and the challenge message carrying it (sent to each connection on accept)."""
+    nonce = new_nonce()
+    body = json.dumps({"type": "challenge", "version": PROTOCOL_VERSION, "nonce": nonce.hex()},
+                      separators=(",", ":")).encode()
+    return nonce, _LENGTH.pack(len(body)) + body
+
+
+def _tell_and_close(sock: socket.socket, msg: dict[str, Any]) -> None:
+    """Best effort: one small non-blocking write of ``msg``, then close (a connection still being admitted)."""
+    try:
+        body = json.dumps(msg, separators=(",", ":")).encode()
+        sock.setblocking(False)
+        sock.send(_LENGTH.pack(len(body)) + body)
+    except OSError:
+        pass
+    finally:
+        sock.close()
 
 
 class PeerClient:
@@ -355,6 +403,9 @@ class PeerClient:
                 raise ProtocolFailure(
                     f"prefill {self.label} is incompatible: {describe_mismatch(info, reply.get('compat_info') or {})}")
             self.peer_engine = str(reply.get("engine_id"))
+            senders = check_senders(reply.get("senders"))
+            if senders:
+                self._inbox.put(("senders", (self.host, self.port), senders))
             lease = reply.get("lease")
             self.peer_lease = float(lease) if isinstance(lease, (int, float)) and lease > 0 else None
         except (OSError, ProtocolFailure) as exc:

@@ -379,7 +379,7 @@ class WorkerSide:
     def handshake(self) -> dict[str, Any]:
         """What the scheduler side needs from this worker (kvtransport metadata and compatibility fields)."""
         assert self.cm is not None and self.layout is not None
-        return {"metadata": self.cm.metadata(), "backend": self.cm.backend,
+        return {"metadata": self.cm.metadata(), "backend": self.cm.backend, "instance": self.cm.instance,
                 "layout_hash": self.layout.compat_hash(), "layer_names": list(self.layer_index)}
 
     # ---------------------------------------------------------------- per step
@@ -408,6 +408,8 @@ class WorkerSide:
                 for rid, timeout in plan.recv_start.items():
                     self._waiting[rid] = (now, now + timeout)
                     self._recv_blocks[rid] = list(plan.recv_blocks.get(rid, ()))
+                for rid, senders in plan.recv_from.items():
+                    self._expect(rid, senders.get(self.tp_rank))
                 while len(self._recv_blocks) > 65536:  # ended receives are popped; bound what was never reported
                     self._recv_blocks.pop(next(iter(self._recv_blocks)))
                 for rid in plan.recv_abort:
@@ -421,6 +423,17 @@ class WorkerSide:
                             self._lost += 1
                         self._early.pop(rid, None)
                         self._fence(rid, failed=True)
+
+    def _expect(self, rid: str, sender: str | None) -> None:
+        """Bind decode request ``rid`` to the prefill worker that will push it (its kvtransport instance id):
+        the core then refuses any other peer's puts, signals and cancels for it, and fails it at once if that
+        worker goes away. Under ``_lock``; non-blocking."""
+        if sender is None or self.cm is None or rid not in self._waiting:
+            return
+        try:
+            self.cm.expect(rid, sender=sender)
+        except KVTransportError as exc:  # no slot for it now: its KV is still accepted from the first claimer
+            log.warning("kvtransport: cannot bind %s to its prefill worker %s: %s", rid, sender, exc)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any) -> None:
         """Queue this layer's puts (called right after the layer's attention). Non-blocking."""

@@ -1,0 +1,171 @@
+"""kvtransport.admission on its own (the core and the vLLM side channel both admit connections through it):
+transient accept errors, crowding, oversized or slow first messages, a busy owner, and bytes sent early."""
+
+from __future__ import annotations
+
+import errno
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from kvtransport.admission import Admission, PendingHello, RateLimitedLog
+
+HEADER = struct.Struct("!I")
+
+
+def make(on_hello: Any, **kw: Any) -> tuple[Admission, socket.socket]:
+    server = socket.create_server(("127.0.0.1", 0), backlog=1024)
+    adm = Admission(server, greet=lambda: (b"n" * 16, b"HI"), header_size=HEADER.size,
+                    message_length=lambda h: HEADER.unpack(h)[0], on_hello=on_hello,
+                    preauth_timeout=kw.pop("preauth_timeout", 5.0), **kw)
+    adm.start()
+    return adm, server
+
+
+def dial(server: socket.socket) -> socket.socket:
+    s = socket.create_connection(server.getsockname()[:2], timeout=5)
+    assert s.recv(2) == b"HI"
+    return s
+
+
+def wait_for(pred: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_a_complete_message_is_handed_over_and_nothing_after_it_is_taken() -> None:
+    got: list[PendingHello] = []
+    adm, server = make(lambda h: got.append(h) or True)
+    try:
+        s = dial(server)
+        s.sendall(HEADER.pack(5) + b"hel")
+        time.sleep(0.05)
+        s.sendall(b"loNEXT")  # the rest of the message and the start of the next
+        wait_for(lambda: got)
+        assert (got[0].payload, got[0].nonce) == (b"hello", b"n" * 16)
+        got[0].sock.setblocking(True)
+        got[0].sock.settimeout(2)  # never read beyond the message: what follows stays for its next reader
+        assert got[0].leftover + got[0].sock.recv(16) == b"NEXT"
+        assert adm.pending == 0 and adm.stats.handed_off == 1
+        got[0].sock.close()
+        s.close()
+    finally:
+        adm.close()
+        server.close()
+
+
+def test_accept_errors_pause_accepting_and_it_resumes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EMFILE (and the like) from accept(): logged, accepting pauses and backs off, then resumes; nothing dies."""
+    calls = {"n": 0}
+    real_accept = socket.socket.accept
+
+    def failing_accept(self: socket.socket) -> Any:
+        if calls["n"] < 3:
+            calls["n"] += 1
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_accept(self)
+
+    got: list[PendingHello] = []
+    adm, server = make(lambda h: got.append(h) or True)
+    monkeypatch.setattr(socket.socket, "accept", failing_accept)
+    try:
+        s = socket.create_connection(server.getsockname()[:2], timeout=5)
+        s.settimeout(5)
+        assert s.recv(2) == b"HI"  # accepted after three failures
+        s.sendall(HEADER.pack(1) + b"x")
+        wait_for(lambda: got)
+        assert adm.stats.accept_errors == 3
+        got[0].sock.close()
+        s.close()
+    finally:
+        monkeypatch.undo()
+        adm.close()
+        server.close()
+
+
+def test_crowding_drops_the_oldest_and_a_byte_budget_drops_the_largest() -> None:
+    adm, server = make(lambda h: True, max_pending=4, max_pending_bytes=1000)
+    try:
+        socks = [dial(server) for _ in range(6)]  # two beyond max_pending: the two oldest go
+        wait_for(lambda: adm.stats.dropped_crowded == 2)
+        assert adm.pending == 4
+        socks[5].sendall(HEADER.pack(900) + b"x" * 600)
+        socks[4].sendall(HEADER.pack(900) + b"y" * 500)  # 1,100 buffered: the largest (600) goes
+        wait_for(lambda: adm.stats.dropped_crowded == 3)
+        assert adm.pending == 3
+        for s in socks:
+            s.close()
+        wait_for(lambda: adm.pending == 0)
+    finally:
+        adm.close()
+        server.close()
+
+
+def test_an_oversized_or_refused_header_and_a_slow_peer_are_dropped() -> None:
+    def length(h: bytes) -> int:
+        n = HEADER.unpack(h)[0]
+        if n == 7:
+            raise ValueError("seven is not a hello")
+        return int(n)
+
+    server = socket.create_server(("127.0.0.1", 0))
+    adm = Admission(server, greet=lambda: (b"n", b"HI"), header_size=4, message_length=length,
+                    on_hello=lambda h: True, preauth_timeout=0.3, max_hello_bytes=100)
+    adm.start()
+    try:
+        big, bad, slow = dial(server), dial(server), dial(server)
+        big.sendall(HEADER.pack(101))
+        bad.sendall(HEADER.pack(7))
+        slow.sendall(HEADER.pack(10) + b"abc")  # and never the rest
+        wait_for(lambda: adm.stats.dropped_bad == 2 and adm.stats.dropped_slow == 1)
+        for s in (big, bad, slow):
+            s.settimeout(2)
+            assert s.recv(10) == b""  # closed by the receiver
+        assert adm.pending == 0
+    finally:
+        adm.close()
+        server.close()
+
+
+def test_a_busy_owner_gets_the_connection_again_until_its_deadline() -> None:
+    busy = threading.Event()
+    busy.set()
+    got: list[PendingHello] = []
+
+    def on_hello(h: PendingHello) -> bool:
+        if busy.is_set():
+            return False
+        got.append(h)
+        return True
+
+    adm, server = make(on_hello)
+    try:
+        s = dial(server)
+        s.sendall(HEADER.pack(2) + b"ok")
+        time.sleep(0.3)
+        assert not got and adm.pending == 1
+        busy.clear()
+        wait_for(lambda: got)
+        got[0].sock.close()
+        s.close()
+    finally:
+        adm.close()
+        server.close()
+
+
+def test_rate_limited_log_says_how_many_it_held_back(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    logs = RateLimitedLog(logging.getLogger("test.rl"), interval=0.2)
+    with caplog.at_level(logging.INFO, logger="test.rl"):
+        for _ in range(50):
+            logs.log(logging.WARNING, "k", "same %s", "thing")
+        time.sleep(0.25)
+        logs.log(logging.WARNING, "k", "same %s", "thing")
+    assert [r.getMessage() for r in caplog.records] == ["same thing", "same thing (49 more like it in the last 0.2s)"]
