@@ -8,6 +8,8 @@ bash scripts/setup.sh
 . .venv/bin/activate
 ruff check -q $(ls -d kvtransport backends tests benchmarks integration 2>/dev/null)
 mypy
+# the backends this machine must be able to run (a broken install must fail here, not pass as skipped tests)
+kvtransport backends --require "${KVT_REQUIRED_BACKENDS:-ucx,nccl}" >/dev/null
 if [ "${SKIP_VLLM:-0}" != 1 ]; then
   # tests/integration needs vLLM: it runs below, in the vLLM venv, instead of skipping here
   HYPOTHESIS_PROFILE=ci python -m pytest -q --ignore=tests/integration "$@"

@@ -22,9 +22,22 @@ def _backends(argv: list[str]) -> int:
 
     ap = argparse.ArgumentParser(prog="kvtransport backends", description=COMMANDS["backends"][0])
     ap.add_argument("--all", action="store_true", help="also list test-only backends (inproc)")
+    ap.add_argument("--require", metavar="NAMES", default="",
+                    help="comma-separated backends that must be usable here: exit 1 naming those that are not "
+                         "(CI runs it before the tests, so a broken install cannot pass as skipped tests)")
     args = ap.parse_args(argv)
     for row in available_backends(include_test_only=args.all):
         print(row)
+    rows = available_backends(include_test_only=True)
+    required = [n.strip() for n in args.require.split(",") if n.strip()]
+    usable = {r.name for r in rows if r.available}
+    missing = [n for n in required if n not in usable]
+    if missing:
+        why = {r.name: r.reason for r in rows}
+        for name in missing:
+            print(f"kvtransport backends: required backend {name} is not usable here: "
+                  f"{why.get(name) or 'not installed'}", file=sys.stderr)
+        return 1
     return 0
 
 

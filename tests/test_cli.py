@@ -216,3 +216,12 @@ def test_demo_reports_its_ceiling_in_a_few_lines():
     methods = lines[4].split("(best sample of each: ")[1]
     assert methods.startswith("memcpy 1 thread ") and "cross-process read" in methods
     assert lines[5] == "verified: 512 pieces byte-exact on the receiver; no other block written"
+
+
+def test_required_backends_that_are_not_usable_fail_the_command():
+    ok = kvt("backends", "--require", "ucx,nccl")
+    assert ok.returncode == 0, ok.stderr
+    bad = kvt("backends", "--require", "ucx,nope")
+    assert bad.returncode == 1 and "required backend nope is not usable here: not installed" in bad.stderr
+    hidden = kvt("backends", "--require", "ucx", env={"KV_TRANSPORT_UCX_LIBDIR": "/nonexistent"})
+    assert hidden.returncode == 1 and "required backend ucx is not usable here" in hidden.stderr, hidden.stderr
