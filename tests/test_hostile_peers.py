@@ -107,3 +107,34 @@ def test_checksums_for_sequences_never_signalled_are_bounded() -> None:
         other.put_layer(p2, "fine", 0, [2], [3])
         other.signal(p2, "fine")
         r.wait("fine", timeout=10)
+
+
+@pytest.mark.parametrize("bad_run", [(0, 31, 2), (0, 10**6, 1), (31, 0, 2)], ids=["dst-end", "dst-far", "src-end"])
+def test_a_two_sided_put_beyond_the_block_range_drops_the_link_and_writes_nothing(bad_run: tuple[int, int, int]) -> None:
+    """A connected (authenticated) sender whose PUT frame names blocks beyond either side's range: the
+    receiver checks every run before receiving a byte (the only guard on two-sided writes), drops that link,
+    writes nothing, and keeps serving others."""
+    import time
+
+    import kvtransport as kt
+    from kvtransport import BlockRun, wire
+    from kvtransport.testing.cache import CacheSpec, HostCache
+
+    if not registry.probe("nccl").ok:
+        pytest.skip(f"nccl: {registry.probe('nccl').reason}")
+    spec = CacheSpec(num_layers=1, num_blocks=32, heads=1, block_size=2, head_dim=4, order="NHD")
+    src, dst = HostCache(spec, fill_seed=1), HostCache(spec)
+    with kt.open(dst.layout, backend="nccl") as r, kt.open(src.layout, backend="nccl") as s:
+        peer = s.connect(r.metadata())
+        peer._state.conn.send(wire.FrameType.PUT, wire.encode_put("evil", 0, [BlockRun(*bad_run)]))
+        t0 = time.monotonic()
+        while s.instance in r.inbound_peers() and time.monotonic() - t0 < 10:
+            time.sleep(0.02)
+        assert s.instance not in r.inbound_peers(), "the link with the bad PUT is still up"
+        assert not dst.backing.any(), "a byte landed"
+        with kt.open(src.layout, backend="nccl") as s2:  # the receiver serves the next sender
+            p2 = s2.connect(r.metadata())
+            s2.put_layer(p2, "fine", 0, [1], [2])
+            s2.signal(p2, "fine")
+            r.wait("fine", timeout=20)
+        assert dst.piece(0, 0, 2) == src.piece(0, 0, 1)

@@ -412,7 +412,7 @@ class ConformanceSuite:
 
     def test_receiver_goes_away(self) -> None:
         _, s = self.pair("vanish", self.cfg())
-        assert s["outcome"] in ("PeerDisconnected", "TransferTimeout", "CommClosed"), s
+        assert s["outcome"] == "PeerDisconnected", s  # noticed as gone, not a wait that ran out
         assert s["detected_s"] < 15
 
     def test_incompatible_layouts_refused_before_any_byte(self) -> None:

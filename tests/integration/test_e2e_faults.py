@@ -198,8 +198,7 @@ def test_prefill_killed_mid_transfer(faults: dict[str, Any]) -> None:
     P, DF, DR = procs["P"], procs["DF"], procs["DR"]
     side = discover(P)
     pf, pr = words(1, 150), words(2, 170)
-    ref_f = tokens(complete(P.url, {"prompt": pf, "max_tokens": MAX_TOKENS}))
-    ref_r = tokens(complete(P.url, {"prompt": pr, "max_tokens": MAX_TOKENS}))
+    ref_r = tokens(complete(P.url, {"prompt": pr, "max_tokens": MAX_TOKENS}))  # (policy=fail: no output to compare)
     f0, r0 = metrics(DF.url), metrics(DR.url)
     xf, xr = uuid.uuid4().hex, uuid.uuid4().hex
     ex = ThreadPoolExecutor(4)
@@ -238,7 +237,6 @@ def test_prefill_killed_mid_transfer(faults: dict[str, Any]) -> None:
         wait_for(f"{d.name}: the lost prefill counted", lambda d=d, m0=m0: grew(d, m0, PREFILL_GONE) >= 1,  # type: ignore[misc]
                  20)
     # the decode servers stayed healthy: fresh P/D requests through another prefill, from transferred KV
-    assert ref_f  # (the policy=fail request has no output to compare)
     P2 = procs["P2"]
     side = discover(P2)
     for i, d in enumerate((DF, DR)):

@@ -785,3 +785,37 @@ def test_decode_requests_are_bound_to_the_prefill_workers_that_push_them(pair) -
     assert bound[dreq.request_id] == {0: "prefill-worker-0"}
     addr = (pr.pc.host, pr.pc.port)
     assert pr.dc.prefill_senders[addr] == {0: "prefill-worker-0"}
+
+
+def test_fanout_release_waits_for_every_destination(pair) -> None:
+    """n=2 and the prefill runs knowing only the first destination (dst_wait=0): that one is pushed
+    layer-wise, the prefill request finishes, and its blocks stay held until the second destination came and
+    was pushed whole; only then is the request released."""
+    pr = pair(p_extra={"dst_wait": 0})
+    prompt = list(range(1300, 1340))
+    pparams, dparams = pr.push_params("fan-late", n=2)
+    d1 = make_request(prompt, params=dparams)
+    _decode_admit(pr, d1)
+    preq = make_request(prompt, params=pparams, max_tokens=1)
+    pr.p.add_request(preq)
+    pr.prefill_sees_dsts("fan-late", n=1)
+    so = pr.p.schedule()
+    assert [p.seq for p in plan_of(so).layer_pushes] == [d1.request_id]
+    pr.p.update_from_output(so, runner_output([preq]))  # finished: held for the second destination
+    for _ in range(3):
+        so = _step(pr.p)
+        assert preq.request_id not in plan_of(so).send_release, "released before the second destination came"
+        assert preq.request_id in pr.p.requests
+    d2 = make_request(prompt, params=dparams)
+    _decode_admit(pr, d2)
+    whole: list = []
+    released: list = []
+
+    def served() -> bool:
+        so = _step(pr.p)
+        whole.extend(plan_of(so).whole_pushes)
+        released.extend(plan_of(so).send_release)
+        return preq.request_id in released
+
+    wait_until(served)
+    assert [p.seq for p in whole] == [d2.request_id]

@@ -242,3 +242,36 @@ def test_a_bound_request_refuses_another_prefills_push(pd) -> None:
             assert torch.equal(src[name][3], dst[name][30]) and torch.equal(src[name][4], dst[name][31])
     finally:
         other.shutdown()
+
+
+def test_aborted_and_failed_receives_are_reported_only_after_the_abort_fence(pd, monkeypatch) -> None:
+    """vLLM may reuse a request's blocks as soon as it is reported: an aborted or failed receive is reported
+    (finished_recving) only once ``CommManager.abort`` returned (no byte of it can land any more)."""
+    import threading
+
+    _, d, _, _ = pd
+    fence = threading.Event()
+    real_abort = d.cm.abort
+
+    def slow_abort(seq, *, timeout):  # the senders are still confirming
+        fence.wait(10)
+        real_abort(seq, timeout=timeout)
+
+    monkeypatch.setattr(d.cm, "abort", slow_abort)
+    d.bind(StepPlan(recv_start={"ab": 60, "fl": 0.1}))
+    d.bind(StepPlan(recv_abort=["ab"]))
+    deadline = time.monotonic() + 1.0
+    seen = set()
+    while time.monotonic() < deadline:
+        seen |= d.transfer_results().finished_recving
+        time.sleep(0.02)
+    assert not seen & {"ab", "fl"}, "reported before the abort fence returned"
+    fence.set()
+    got = TransferResults(set(), set(), set())
+    deadline = time.monotonic() + 30
+    while not {"ab", "fl"} <= got.finished_recving and time.monotonic() < deadline:
+        r = d.transfer_results()
+        got.finished_recving |= r.finished_recving
+        got.failed_recving |= r.failed_recving
+        time.sleep(0.02)
+    assert {"ab", "fl"} <= got.finished_recving and got.failed_recving == {"fl"}, got  # an abort is no failure
