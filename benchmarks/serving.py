@@ -5,6 +5,9 @@ Every configuration runs in the same session on the same GPU (instances share it
 
     single         one plain ``vllm serve`` instance (the baseline; it runs throughout)
     push-mscclpp   kvtransport P/D, layer-wise push (default settings), KV_TRANSPORT=mscclpp, kvtransport-proxy
+                   (default settings: the first token comes from the prefill, Splitwise's order)
+    push-mscclpp-decode-first   the same instances, but the decode samples the first token (vLLM's own order:
+                   kvtransport-proxy --first-token decode)
     pull-mscclpp   the same instances, pull flow (kvtransport-proxy --mode pull)
     push-ucx       kvtransport P/D, layer-wise push, KV_TRANSPORT=ucx
     nixl           vLLM's NixlConnector (kv_both on both sides) behind a NIXL-style toy proxy (prefill first)
@@ -22,7 +25,10 @@ The single instance and the mscclpp and ucx pairs start together (five instances
 one configuration at a time; then the two pairs stop and the NixlConnector pair starts. ``OUT/serving.json``
 holds, per configuration and setting, the ``vllm bench serve`` results (TTFT, ITL, E2EL percentiles) and the
 connector metrics that moved during the run (transfer time per request, share pushed layer-wise, admission
-waits; NIXL's transfer times). Logs go to ``OUT/logs``. ``report`` turns the JSON files into a Markdown table and a plot (runs anywhere).
+waits; NIXL's transfer times) and, for kvtransport configurations, where each request's time went: the instances
+and the proxy record per-request milestones (``KV_TRANSPORT_VLLM_TRACE``, ``OUT/trace``) and
+:func:`breakdown` turns those of each run into median segments (proxy, prefill intake, admission wait, forward,
+answer path; for the second token: the KV's landing and the decode's first output). Logs go to ``OUT/logs``. ``report`` turns the JSON files into a Markdown table and a plot (runs anywhere).
 """
 
 from __future__ import annotations
@@ -164,14 +170,17 @@ def vllm_server(name: str, model: Path, kv: dict[str, Any] | None, env: dict[str
     return Server(name, cmd, env, port, logs)
 
 
-def proxy_server(name: str, prefill: Server, decode: Server, mode: str, env: dict[str, str], logs: Path) -> Server:
+def proxy_server(name: str, prefill: Server, decode: Server, mode: str, env: dict[str, str], logs: Path,
+                 first_token: str = "prefill", trace_dir: Path | None = None) -> Server:
     port = free_port()
     if mode == "nixl":
         cmd = [sys.executable, str(REPO / "tests" / "integration" / "toy_proxy.py"), "--port", str(port),
                "--prefiller-port", str(prefill.port), "--decoder-port", str(decode.port)]
         return Server(name, cmd, env, port, logs, health="/healthcheck")
     cmd = [sys.executable, "-m", "kvtransport_vllm.proxy", "--port", str(port), "--prefill", prefill.url,
-           "--decode", decode.url, "--mode", mode, "--log-level", "warning"]
+           "--decode", decode.url, "--mode", mode, "--log-level", "warning", "--first-token", first_token]
+    if trace_dir is not None:
+        cmd += ["--trace", str(trace_dir)]
     return Server(name, cmd, env, port, logs)
 
 
@@ -236,15 +245,17 @@ def client(url: str, model: Path, label: str, settings: list[str], watch: list[s
             str(out / "raw"), "--result-filename", fname, "--disable-tqdm", "--ready-check-timeout-sec", "60"])
         before = {w: scrape(w) for w in watch}
         t0 = time.monotonic()
+        res: dict[str, Any]
         try:
             data = bench_main(args)
-            res: dict[str, Any] = {k: v for k, v in data.items() if not isinstance(v, (list, dict))}
+            res = {k: v for k, v in data.items() if not isinstance(v, (list, dict))}
             res["ttfts_ms"] = [round(1000 * t, 3) for t in data.get("ttfts") or []]
         except Exception as exc:  # recorded; the other settings still run
             res = {"error": f"{type(exc).__name__}: {exc}"}
         time.sleep(3)  # connector stats reach Prometheus with the next engine steps / logging interval
         res["connector"] = {w: moved(scrape(w), before[w]) for w in watch}
         res["wall_s"] = round(time.monotonic() - t0, 1)
+        res["window"] = [t0, time.monotonic()]  # this host's monotonic clock: the trace lines of this run
         results[name] = res
         print(f"[serving] {label} {name}: TTFT p50 {res.get('median_ttft_ms')} ms, p99 {res.get('p99_ttft_ms')} "
               f"ms, ITL p50 {res.get('median_itl_ms')} ms {res.get('error', '')}", flush=True)
@@ -297,7 +308,7 @@ def run_all(model: Path, out: Path, configs: list[str], kv_gib: float, wait_for:
                 d = vllm_server("decode-nixl", model, nixl, dict(env, VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port())),
                                 logs, kv_bytes)
             else:
-                e = dict(env, KV_TRANSPORT=backend)
+                e = dict(env, KV_TRANSPORT=backend, KV_TRANSPORT_VLLM_TRACE=str(out / "trace" / backend))
                 p = vllm_server(f"prefill-{backend}", model, {**kvt, "kv_role": "kv_producer"}, e, logs, kv_bytes)
                 d = vllm_server(f"decode-{backend}", model, {**kvt, "kv_role": "kv_consumer"}, e, logs, kv_bytes)
             pairs[backend] = (p, d)
@@ -324,14 +335,20 @@ def run_all(model: Path, out: Path, configs: list[str], kv_gib: float, wait_for:
         result["ready_after_s"].update({s.name: round(s.ready_after or 0, 1) for s in ok})
         return ok
 
-    def measure(label: str, mode: str, pair: tuple[Server, Server] | None) -> None:
+    def measure(label: str, mode: str, pair: tuple[Server, Server] | None, first_token: str = "prefill",
+                trace_dir: Path | None = None) -> None:
         if pair is None:
             result["configs"][label] = run_config(label, single.url, model, [], out, names)
             return
-        prx = proxy_server(f"proxy-{label}", pair[0], pair[1], mode, env, logs)
+        prx = proxy_server(f"proxy-{label}", pair[0], pair[1], mode, env, logs, first_token, trace_dir)
         try:
             wait_ready([prx], 60)
             result["configs"][label] = run_config(label, prx.url, model, list(pair), out, names)
+            if trace_dir is not None:
+                rows = load_trace(trace_dir)
+                for res in result["configs"][label].values():
+                    if isinstance(res.get("window"), list):
+                        res["breakdown"] = breakdown(rows, *res["window"])
         except RuntimeError as exc:
             result["configs"][label] = {n: {"error": str(exc)[-2000:]} for n in names}
         finally:
@@ -347,10 +364,12 @@ def run_all(model: Path, out: Path, configs: list[str], kv_gib: float, wait_for:
         for c in configs:
             if c == "single" and single in ok:
                 measure(c, "single", None)
-            elif c.split("-")[0] in ("push", "pull") and c.split("-", 1)[1] in first:
-                pair = first[c.split("-", 1)[1]]
+            elif c.split("-")[0] in ("push", "pull") and c.split("-")[1] in first:
+                mode, backend = c.split("-")[:2]
+                pair = first[backend]
                 if all(s in ok for s in pair):
-                    measure(c, c.split("-")[0], pair)
+                    measure(c, mode, pair, "decode" if c.endswith("-decode-first") else "prefill",
+                            out / "trace" / backend)
         for pair in first.values():
             for s in pair:
                 s.stop()
@@ -366,6 +385,57 @@ def run_all(model: Path, out: Path, configs: list[str], kv_gib: float, wait_for:
             s.stop()
         (out / "serving.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+# ---------------------------------------------------------------------------------------------- breakdown
+SEGMENTS = [  # (name, from milestone, to milestone): where a P/D request's time goes (see kvtransport_vllm.trace)
+    ("proxy_in", "proxy.recv", "proxy.sent"),
+    ("prefill_intake", "proxy.sent", "p.new"),
+    ("prefill_admission", "p.new", "p.scheduled"),
+    ("prefill_forward", "p.scheduled", "p.finished"),
+    ("prefill_answer", "p.finished", "proxy.prefill_done"),
+    ("proxy_out", "proxy.prefill_done", "proxy.first_out"),
+    ("ttft_at_proxy", "proxy.recv", "proxy.first_out"),
+    ("signal_after_finish", "p.finished", "p.signal"),
+    ("landed_after_signal", "p.signal", "d.landed"),
+    ("first_token_to_decode", "p.finished", "d.first"),
+    ("decode_answer", "d.reported", "proxy.decode_first"),
+    ("second_token_after_first", "proxy.first_out", "proxy.decode_first"),
+]
+
+
+def load_trace(directory: Path) -> list[dict[str, Any]]:
+    """The milestones recorded under ``directory`` (kvtransport_vllm.trace's format), ordered by time."""
+    try:
+        from kvtransport_vllm.trace import load
+    except ImportError:
+        return []
+    return load(directory) if directory.exists() else []
+
+
+def breakdown(rows: list[dict[str, Any]], t0: float, t1: float) -> dict[str, Any]:
+    """Median milliseconds of each SEGMENTS segment over the requests traced in ``[t0, t1]``, keyed by the
+    proxy's transfer id (decode-side milestones keyed by the decode request are mapped through ``d.alloc``).
+    Also the admission wait the prefill reported (``p.dst`` ``wait``) and how many requests had each segment."""
+    seq_to_xfer = {r["seq"]: r["key"] for r in rows if r.get("ev") in ("d.alloc", "d.new") and "seq" in r}
+    first: dict[str, dict[str, float]] = {}
+    waits: list[float] = []
+    for r in rows:
+        if not t0 <= r["t"] <= t1:
+            continue
+        key = seq_to_xfer.get(r["key"], r["key"]) if r["ev"] in ("p.signal", "d.landed", "d.reported") else r["key"]
+        first.setdefault(key, {}).setdefault(r["ev"], r["t"])
+        if r["ev"] == "p.dst" and isinstance(r.get("wait"), (int, float)):
+            waits.append(float(r["wait"]))
+    out: dict[str, Any] = {}
+    for name, a, b in SEGMENTS:
+        vals = sorted(1000 * (m[b] - m[a]) for m in first.values() if a in m and b in m)
+        if vals:
+            out[name] = {"p50_ms": round(vals[len(vals) // 2], 3), "n": len(vals)}
+    if waits:
+        waits.sort()
+        out["dst_wait"] = {"p50_ms": round(1000 * waits[len(waits) // 2], 3), "n": len(waits)}
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -401,6 +471,7 @@ def summarize(files: list[Path]) -> list[dict[str, Any]]:
                                     if conn.get("dst_wait_n") else None),
                     "layerwise_share": round(conn.get("layerwise", 0) / sent, 3) if sent else None,
                     "decode_local_compute": conn.get("prompt_tokens_local_compute"),
+                    "breakdown": r.get("breakdown"),
                 }
                 rows.append(row)
     return rows
@@ -413,6 +484,16 @@ def report(files: list[Path], out: Path) -> None:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join(str(r.get(c, r.get("error", ""))) for c in cols) + " |")
+    segs = [name for name, _, _ in SEGMENTS] + ["dst_wait"]
+    shown = [g for g in segs if any(g in (r.get("breakdown") or {}) for r in rows)]
+    if shown:
+        lines += ["", "Where the time went (median ms per request, from the instances' and the proxy's milestones):",
+                  "", "| config | setting | " + " | ".join(shown) + " |", "|" + "---|" * (len(shown) + 2)]
+        for r in rows:
+            b = r.get("breakdown") or {}
+            if b:
+                lines.append(f"| {r['config']} | {r['setting']} | "
+                             + " | ".join(str(b[g]["p50_ms"]) if g in b else "" for g in shown) + " |")
     (out / "serving.md").write_text("\n".join(lines) + "\n")
     (out / "serving-summary.json").write_text(json.dumps(rows, indent=1))
     print("\n".join(lines))
@@ -424,7 +505,7 @@ def report(files: list[Path], out: Path) -> None:
     except ImportError:
         return
     settings = [s[0] for s in SETTINGS]
-    configs = [c for c in ("single", "push-mscclpp", "push-ucx", "pull-mscclpp", "nixl")
+    configs = [c for c in ("single", "push-mscclpp", "push-ucx", "push-mscclpp-decode-first", "pull-mscclpp", "nixl")
                if any(r.get("config") == c for r in rows)]
     fig, axes = plt.subplots(1, len(settings), figsize=(4.2 * len(settings), 3.8), sharey=False)
     for ax, setting in zip(axes, settings, strict=True):
@@ -457,7 +538,8 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--model", type=Path, required=True)
     run.add_argument("--out", type=Path, required=True)
     run.add_argument("--configs", nargs="+",
-                     default=["single", "push-mscclpp", "pull-mscclpp", "push-ucx", "nixl"])
+                     default=["single", "push-mscclpp", "push-mscclpp-decode-first", "pull-mscclpp", "push-ucx",
+                              "nixl"])
     run.add_argument("--kv-gib", type=float, default=3.0, help="KV cache per instance (GiB; 8k tokens = 1 GiB)")
     run.add_argument("--wait-for", type=Path, default=None,
                      help="start the instances, but measure only once this file exists")

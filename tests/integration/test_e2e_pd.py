@@ -325,7 +325,17 @@ def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
-def check_disaggregated(cluster: dict[str, Any], proxy_url: str, seed: int, prefill: str) -> dict[str, float]:
+def first_token_requests(seed: int) -> int:
+    """How many requests of batch ``seed`` get their first token from the prefill through ``kvtransport-proxy``
+    in push mode (the decode then computes that one token, which becomes the last token of its prompt)."""
+    from kvtransport_vllm.proxy import first_token_ineligible
+
+    first, second = make_batch(seed)
+    return sum(1 for r in first + second if first_token_ineligible(r["body"]) is None)
+
+
+def check_disaggregated(cluster: dict[str, Any], proxy_url: str, seed: int, prefill: str,
+                        first_token: bool = False) -> dict[str, float]:
     D, P, R = (cluster["procs"][k] for k in ("D", prefill, "R"))
     prefills = [cluster["procs"][k] for k in ("P1", "P2")]  # round robin: the decode hears from both
     ref = run_batch(R.url, seed)
@@ -337,10 +347,20 @@ def check_disaggregated(cluster: dict[str, Any], proxy_url: str, seed: int, pref
     n_dec = sum(len(x) for x in got)
     for i, (a, b) in enumerate(zip(got, ref, strict=True)):
         assert a == b, f"request {i}: P/D output {a} differs from single-instance {b}"
-    deadline = time.monotonic() + 20  # connector stats reach Prometheus with the next engine steps
+    deadline = time.monotonic() + 20  # connector stats reach Prometheus with the next engine steps (both sides)
+
+    def sent_by_prefills(key: str) -> float:
+        return sum(delta(metrics(p.url), b, key) for p, b in zip(prefills, sent0, strict=True))
+
+    expected_first = first_token_requests(seed) if first_token else 0
     while True:
         d1, p1 = metrics(D.url), metrics(P.url)
-        if delta(d1, d0, "vllm:kvtransport_transfers_received_total") >= len(got) or time.monotonic() > deadline:
+        if (delta(d1, d0, "vllm:kvtransport_transfers_received_total") >= n_dec
+                and sent_by_prefills("vllm:kvtransport_bytes_sent_total")
+                == delta(d1, d0, "vllm:kvtransport_bytes_received_total")
+                and sent_by_prefills("vllm:kvtransport_first_tokens_sent_total") >= expected_first
+                and delta(d1, d0, "vllm:kvtransport_first_tokens_received_total") >= expected_first) \
+                or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     summary = {
@@ -355,12 +375,18 @@ def check_disaggregated(cluster: dict[str, Any], proxy_url: str, seed: int, pref
         "prefill_layerwise": delta(p1, p0, "vllm:kvtransport_transfers_layerwise_total"),
         "prefill_whole": delta(p1, p0, "vllm:kvtransport_transfers_whole_total"),
         "puts_received": delta(d1, d0, "vllm:kvtransport_puts_received_total"),
+        "first_tokens_received": delta(d1, d0, "vllm:kvtransport_first_tokens_received_total"),
     }
     sent1 = [metrics(p.url) for p in prefills]
     summary["prefill_bytes_sent"] = sum(delta(a, b, "vllm:kvtransport_bytes_sent_total") for a, b in zip(sent1, sent0, strict=True))
     summary["prefill_puts"] = sum(delta(a, b, "vllm:kvtransport_puts_total") for a, b in zip(sent1, sent0, strict=True))
+    summary["first_tokens_sent"] = sum(delta(a, b, "vllm:kvtransport_first_tokens_sent_total")
+                                       for a, b in zip(sent1, sent0, strict=True))
     print(f"\n[e2e] {cluster['backend']}-{cluster['device']} {prefill} via {proxy_url}: {summary}")
     assert summary["decode_local_compute"] == 0, f"decode recomputed prompt tokens: {summary}"
+    # Splitwise's order through kvtransport-proxy: the client's first token came from the prefill, and the decode
+    # continued from it (every request but those the prefill cannot start, see first_token_ineligible)
+    assert summary["first_tokens_received"] == summary["first_tokens_sent"] == expected_first, summary
     assert summary["decode_external"] > 0 and summary["bytes_received"] > 0, summary
     # the decode's counters are right for one-sided (learnt from the signals) and two-sided backends alike
     assert summary["bytes_received"] == summary["prefill_bytes_sent"], summary
@@ -384,7 +410,8 @@ def test_push_mode_layerwise(cluster: dict[str, Any]) -> None:
     P1, D = cluster["procs"]["P1"], cluster["procs"]["D"]
     proxy = start_proxy(cluster, ["--prefill", P1.url, "--decode", D.url], "proxy-push")
     try:
-        s = check_disaggregated(cluster, proxy.url, seed=1, prefill="P1")
+        s = check_disaggregated(cluster, proxy.url, seed=1, prefill="P1", first_token=True)
+        assert first_token_requests(1) == 10  # every request but the seeded n=2 one
         sent = s["prefill_layerwise"] + s["prefill_whole"]
         assert sent == s["decode_requests"], s
         assert s["prefill_layerwise"] >= 0.95 * sent, f"only {s['prefill_layerwise']:.0f}/{sent:.0f} layer-wise: {s}"
@@ -397,7 +424,7 @@ def test_pull_mode_our_proxy(cluster: dict[str, Any]) -> None:
     proxy = start_proxy(cluster, ["--mode", "pull", "--prefill", P2.url, "--decode", D.url], "proxy-pull")
     try:
         s = check_disaggregated(cluster, proxy.url, seed=2, prefill="P2")
-        assert s["prefill_layerwise"] == 0 and s["prefill_whole"] > 0, s
+        assert s["prefill_layerwise"] == 0 and s["prefill_whole"] == s["decode_requests"], s
     finally:
         proxy.stop()
 
@@ -417,7 +444,7 @@ def test_push_mode_round_robin_two_prefills(cluster: dict[str, Any]) -> None:
     proxy = start_proxy(cluster, ["--prefill", P1.url, P2.url, "--decode", D.url], "proxy-rr")
     try:
         a1, a2 = metrics(P1.url), metrics(P2.url)
-        check_disaggregated(cluster, proxy.url, seed=4, prefill="P1")
+        check_disaggregated(cluster, proxy.url, seed=4, prefill="P1", first_token=True)
         b1, b2 = metrics(P1.url), metrics(P2.url)
         for before, after, name in ((a1, b1, "P1"), (a2, b2, "P2")):
             assert delta(after, before, "vllm:prompt_tokens_total") > 0, f"{name} got no request"

@@ -819,3 +819,80 @@ def test_fanout_release_waits_for_every_destination(pair) -> None:
 
     wait_until(served)
     assert [p.seq for p in whole] == [d2.request_id]
+
+
+def test_first_token_flow_continues_the_decode_from_the_prefills_token(pair) -> None:
+    """Splitwise's order: the prefill samples the first token; the decode gets it over the side channel,
+    appends it to its prompt (not as an output: the client already has it from the prefill), computes only its
+    KV and samples the second token. Its workers may report the KV landed only once the token is there."""
+    pr = pair()
+    prompt = list(range(10, 10 + 40))  # 3 blocks of 16, the last one partial
+    pparams, dparams = pr.push_params("ft")
+    pparams["kvt_first_token"] = dparams["kvt_first_token"] = True
+    dreq = make_request(prompt, params=dparams, max_tokens=3)
+    pr.d.add_request(dreq)
+    so = pr.d.schedule()
+    assert dreq.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    plan = plan_of(so)
+    assert plan.recv_hold == {dreq.request_id} and not plan.recv_release
+    pr.d.update_from_output(so, empty_output())
+    preq = make_request(prompt, params=pparams, max_tokens=1)
+    pr.p.add_request(preq)
+    pr.prefill_sees_dsts("ft")
+    so = pr.p.schedule()
+    assert len(plan_of(so).layer_pushes) == 1
+    pr.p.update_from_output(so, runner_output([preq], token=77))  # the first token: 77
+    # the decode scheduler receives it, appends it to the prompt and releases the held receive
+    def released() -> bool:
+        so = pr.d.schedule()
+        ok = dreq.request_id in plan_of(so).recv_release
+        pr.d.update_from_output(so, empty_output(recving={dreq.request_id} if ok else None))
+        return ok
+    wait_until(released)
+    assert list(dreq.prompt_token_ids) == [*prompt, 77] and dreq.num_prompt_tokens == 41
+    assert list(dreq.all_token_ids) == [*prompt, 77] and dreq.num_output_tokens == 0
+    so = pr.d.schedule()
+    assert so.num_scheduled_tokens == {dreq.request_id: 1}  # only the first token's KV: the prompt landed
+    assert dreq.num_computed_tokens == len(prompt) + 1  # 40 landed + the first token, scheduled
+    (new,) = so.scheduled_new_reqs
+    assert list(new.prompt_token_ids) == [*prompt, 77]  # the model runner reads the token from the prompt
+    pr.d.update_from_output(so, runner_output([dreq], token=88))
+    assert list(dreq.output_token_ids) == [88]
+
+
+def test_first_token_flow_with_a_partial_prefix_hit_and_an_early_token(pair) -> None:
+    """A decode that holds part of the prompt in its own cache receives only the rest; a first token that comes
+    before the decode allocated (here: queued with the request) is appended all the same, and the decode then
+    computes only that token."""
+    pr = pair()
+    prompt = list(range(300, 332))  # exactly 2 full blocks
+    warm = make_request(prompt, max_tokens=1)  # fills the decode's prefix cache with this prompt
+    pr.d.add_request(warm)
+    so = pr.d.schedule()
+    pr.d.update_from_output(so, runner_output([warm]))
+    so = pr.d.schedule()
+    pr.d.update_from_output(so, empty_output())
+    pparams, dparams = pr.push_params("cached")
+    pparams["kvt_first_token"] = dparams["kvt_first_token"] = True
+    dreq = make_request(prompt, params=dparams, max_tokens=3)
+    pr.d.add_request(dreq)
+    pr.dc.inbox.put(("first", (pr.pc.host, pr.pc.port), "cached", 55))  # the token is there before allocation
+    so = pr.d.schedule()
+    plan = plan_of(so)
+    assert dreq.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert dreq.request_id in plan.recv_hold and dreq.request_id in plan.recv_release  # held and released at once
+    assert list(dreq.prompt_token_ids) == [*prompt, 55]
+    pr.d.update_from_output(so, empty_output())
+    preq = make_request(prompt, params=pparams, max_tokens=1)
+    pr.p.add_request(preq)
+    pr.prefill_sees_dsts("cached")
+    so = pr.p.schedule()
+    (push,) = plan_of(so).layer_pushes
+    assert len(push.src) == len(push.dst) == 1  # the block the decode did not have
+    pr.p.update_from_output(so, runner_output([preq], token=55))
+    so = pr.d.schedule()
+    pr.d.update_from_output(so, empty_output(recving={dreq.request_id}))
+    so = pr.d.schedule()
+    assert so.num_scheduled_tokens == {dreq.request_id: 1}
+    pr.d.update_from_output(so, runner_output([dreq], token=9))
+    assert list(dreq.prompt_token_ids) == [*prompt, 55] and list(dreq.output_token_ids) == [9]

@@ -264,3 +264,124 @@ def test_a_decode_cannot_act_on_another_decodes_request(prefill) -> None:
     assert prefill.foreign_refused == 4
     prefill._on_message("A", cancel("x1", ["rA"]), now)  # its owner may
     assert src.dsts[0].cancelled
+
+
+def test_a_second_peer_under_a_live_engines_id_is_refused_and_a_reconnect_after_its_death_gets_in(server) -> None:
+    srv, inbox = server
+    first, reply = handshake(srv)
+    assert reply["type"] == "welcome" and inbox.get(timeout=5)[:2] == ("hello", "decode-A")
+    t0 = time.monotonic()
+    impostor, reply = handshake(srv)  # same engine id, proves the secret too: the live one is probed first
+    assert reply == {"type": "refuse", "version": proto.PROTOCOL_VERSION,
+                     "reason": "engine id decode-A is already connected"}
+    assert time.monotonic() - t0 < sc.RECONNECT_PROBE_S + 2
+    first.settimeout(5)
+    assert proto.recv_message(first) == {"type": "ping"}  # the probe reached the live connection, which stays
+    assert not closed_by_peer(first, within=0.3)
+    impostor.close()
+    first.close()  # the engine goes away; it reconnects under its id
+    again, reply = handshake(srv)
+    assert reply["type"] == "welcome"
+    again.close()
+
+
+def test_a_connection_whose_peer_does_not_read_is_closed_past_its_backlog_bound(monkeypatch) -> None:
+    monkeypatch.setattr(sc, "MAX_BACKLOG_BYTES", 256 << 10)
+    with socket.create_server(("127.0.0.1", 0)) as lsock:
+        b = socket.socket()
+        b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, set before connecting
+        b.connect(lsock.getsockname()[:2])
+        a, _ = lsock.accept()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    try:
+        conn = sc._Conn(a, "hoarder", send_timeout=30)  # the send bound alone would wait 30 s
+        blob = "x" * (64 << 10)
+        t0 = time.monotonic()
+        for i in range(64):  # 4 MiB for a peer that reads nothing: past 256 KiB queued, the connection closes
+            conn.send({"type": "fill", "i": i, "blob": blob})
+        assert conn.closed.wait(5) and conn._queued == 0
+        assert time.monotonic() - t0 < 5
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_peer_that_floods_the_inbox_is_dropped_and_the_schedulers_own_events_never_wait(monkeypatch) -> None:
+    monkeypatch.setattr(sc, "MAX_INBOX", 4)
+    inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
+    for i in range(4):
+        sc._deliver(inbox, ("msg", "e", {"i": i}), timeout=1)
+    t0 = time.monotonic()
+    with pytest.raises(proto.ProtocolFailure, match="floods"):
+        sc._deliver(inbox, ("msg", "e", {"i": 4}), timeout=0.2)
+    assert 0.2 <= time.monotonic() - t0 < 2 and inbox.qsize() == 4
+    inbox.get()
+    sc._deliver(inbox, ("msg", "e", {"i": 5}), timeout=0.2)  # room again: delivered
+    assert inbox.qsize() == 4
+
+
+def test_a_handshake_thread_that_cannot_start_refuses_only_that_peer(server, monkeypatch) -> None:
+    srv, _inbox = server
+    real_start = threading.Thread.start
+    failed = []
+
+    def start(self: threading.Thread) -> None:
+        if self.name == "kvt-sc-in" and not failed:
+            failed.append(self.name)
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    s = dial(srv)
+    challenge = proto.recv_message(s)
+    proto.send_message(s, proto.seal({**hello(), "nonce": proto.new_nonce().hex()}, SECRET,
+                                     bytes.fromhex(challenge["nonce"])))
+    assert closed_by_peer(s) and failed == ["kvt-sc-in"]
+    s, reply = handshake(srv)  # the server keeps serving
+    assert reply["type"] == "welcome"
+    s.close()
+
+
+def test_first_token_messages_are_checked_before_the_scheduler_sees_them() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as lsock:
+        inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        host, port = lsock.getsockname()[:2]
+        client = sc.PeerClient(host, port, hello, compat, inbox, timeout=5)
+        s, _ = lsock.accept()
+        s.settimeout(5)
+        nonce = proto.new_nonce()
+        proto.send_message(s, {"type": "challenge", "version": proto.PROTOCOL_VERSION, "nonce": nonce.hex()})
+        theirs = proto.unseal(proto.recv_message(s), None, nonce)
+        proto.send_message(s, proto.seal({"type": "welcome", "version": proto.PROTOCOL_VERSION, "engine_id": "P",
+                                          "compat": COMPAT, "compat_info": COMPAT_INFO, "lease": 30, "senders": {}},
+                                         None, bytes.fromhex(theirs["nonce"])))
+        for bad in ({"type": "first", "xfer": "x", "token": -1}, {"type": "first", "xfer": "x", "token": True},
+                    {"type": "first", "xfer": "x", "token": 1 << 40}, {"type": "first", "xfer": 5, "token": 3},
+                    {"type": "first", "xfer": "x" * 600, "token": 3}, {"type": "first", "xfer": "x"}):
+            proto.send_message(s, bad)
+        proto.send_message(s, {"type": "first", "xfer": "x1", "token": 42})
+        assert inbox.get(timeout=5) == ("first", (host, port), "x1", 42)  # the first well-formed one only
+        assert inbox.empty()
+        client.close()
+        s.close()
+
+
+def test_one_decode_cannot_take_every_place_for_early_destinations() -> None:
+    side = SchedulerSide(settings=resolve_settings({}), engine_id="P", block_size=16, producer=True, consumer=False,
+                         compat_info=COMPAT_INFO)
+    sent: list[tuple[str, dict]] = []
+    side.server.send = lambda engine, msg: sent.append((engine, msg)) or True  # type: ignore[union-attr]
+    try:
+        from kvtransport_vllm import scheduler as sched_mod
+
+        for i in range(sched_mod.MAX_ORPHANS_PER_ENGINE + 3):
+            side._on_message("greedy", {"type": "dst", "xfer": f"x{i}", "mode": "push",
+                                        "dsts": [{"seq": f"s{i}", "blocks": [1], "offset": 0}]}, time.monotonic())
+        assert len(side.orphans) == sched_mod.MAX_ORPHANS_PER_ENGINE
+        assert [m["seqs"] for _, m in sent if m["type"] == "fail"] == [[f"s{i}"] for i in range(
+            sched_mod.MAX_ORPHANS_PER_ENGINE, sched_mod.MAX_ORPHANS_PER_ENGINE + 3)]
+        side._on_message("other", {"type": "dst", "xfer": "y", "mode": "push",
+                                   "dsts": [{"seq": "t", "blocks": [1], "offset": 0}]}, time.monotonic())
+        assert "y" in side.orphans  # another decode still has room
+    finally:
+        side.shutdown()

@@ -275,3 +275,26 @@ def test_aborted_and_failed_receives_are_reported_only_after_the_abort_fence(pd,
         got.failed_recving |= r.failed_recving
         time.sleep(0.02)
     assert {"ab", "fl"} <= got.finished_recving and got.failed_recving == {"fl"}, got  # an abort is no failure
+
+
+def test_a_held_receive_is_reported_only_once_released(pd) -> None:
+    """First-token flow: a receive the scheduler holds (``recv_hold``) is reported landed only after
+    ``recv_release`` (its first token is then in its prompt); a held receive the prefill cannot finish any
+    more is reported failed, and one that is aborted is reported finished without waiting for a release."""
+    p, d, src, dst = pd
+    meta = d.handshake()["metadata"]
+    d.bind(StepPlan(recv_start={"held": 60, "gone": 60, "dropped": 60}, recv_hold={"held", "gone", "dropped"}))
+    pushes = [Push("p1", "held", "D", (3, 4), (40, 41)), Push("p2", "gone", "D", (5,), (42,)),
+              Push("p3", "dropped", "D", (6,), (43,))]
+    step(p, StepPlan(peers={"D": {0: meta}}, whole_pushes=pushes), src)
+    landed = time.monotonic() + 30
+    while len(d._landed_held) < 3 and time.monotonic() < landed:  # all three landed, none reported
+        assert d.transfer_results().finished_recving == set()
+        time.sleep(0.01)
+    assert set(d._landed_held) == {"held", "gone", "dropped"}
+    assert d.transfer_results().finished_recving == set()
+    d.bind(StepPlan(recv_release={"held"}, recv_fail={"gone": "prefill lost: test"}, recv_abort=["dropped"]))
+    r = d.transfer_results()
+    assert r.finished_recving == {"held", "gone", "dropped"} and r.failed_recving == {"gone"}
+    assert torch.equal(dst["model.layers.0.self_attn.attn"][40], src["model.layers.0.self_attn.attn"][3])
+    assert d.transfer_results().finished_recving == set()  # each reported once

@@ -51,10 +51,16 @@ class StepPlan:
     recv_from: dict[str, dict[int, str]] = field(default_factory=dict)
     """Decode requests -> tp rank -> the kvtransport instance id of the prefill worker that pushes to that
     rank (workers ``expect`` it: no other peer may write, signal or cancel the request)."""
+    recv_hold: set[str] = field(default_factory=set)
+    """Decode requests of the first-token flow now waiting for KV: report their KV landed only once
+    ``recv_release`` names them (their first token is then part of their prompt)."""
+    recv_release: set[str] = field(default_factory=set)
+    """Decode requests whose first token was appended: no longer held (see ``recv_hold``)."""
 
     def is_empty(self) -> bool:
         return not (self.peers or self.layer_pushes or self.whole_pushes or self.send_release
-                    or self.recv_start or self.recv_abort or self.recv_fail or self.recv_from)
+                    or self.recv_start or self.recv_abort or self.recv_fail or self.recv_from or self.recv_hold
+                    or self.recv_release)
 
 
 @dataclass

@@ -11,7 +11,9 @@ Handshake (both sides prove ``KV_TRANSPORT_SECRET`` when it is set, with the cor
 
 Before it proves the secret a peer may send one frame of at most ``MAX_HELLO`` bytes within the handshake
 timeout. Then the client sends ``dst`` / ``cancel`` / ``renew`` messages (checked by :func:`check_message`;
-a malformed one is dropped, the connection stays), the server sends ``fail`` and ``ready``.
+a malformed one is dropped, the connection stays), the server sends ``fail``, ``ready``, ``first`` (the first
+token a prefill request sampled, which the decode continues from) and ``ping`` (ignored: it probes whether the
+connection is still alive).
 Pure Python, no vLLM import.
 """
 
@@ -54,12 +56,17 @@ class AuthFailure(ProtocolFailure):
     """The peer did not prove the shared secret."""
 
 
-def send_message(sock: socket.socket, msg: Mapping[str, Any]) -> None:
-    """Send one message (blocking; the socket's timeout applies). Raises OSError."""
+def encode_message(msg: Mapping[str, Any]) -> bytes:
+    """One message as it goes on the wire (length prefix and JSON). Raises ProtocolFailure when too large."""
     body = json.dumps(msg, separators=(",", ":")).encode()
     if len(body) > MAX_MESSAGE:
         raise ProtocolFailure(f"message of {len(body)} bytes exceeds {MAX_MESSAGE}")
-    sock.sendall(_HEADER.pack(len(body)) + body)
+    return _HEADER.pack(len(body)) + body
+
+
+def send_message(sock: socket.socket, msg: Mapping[str, Any]) -> None:
+    """Send one message (blocking; the socket's timeout applies). Raises OSError or ProtocolFailure."""
+    sock.sendall(encode_message(msg))
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

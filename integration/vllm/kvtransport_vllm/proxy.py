@@ -25,9 +25,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import copy
 import itertools
+import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -37,6 +38,8 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from . import trace
 
 log = logging.getLogger("kvtransport.proxy")
 
@@ -87,8 +90,14 @@ class Proxy:
     """Round-robin P/D routing (see module docstring). One per process; used from the event loop only."""
 
     def __init__(self, prefill: list[str], decode: list[str], mode: str = "push", timeout: float | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
-        """``transport``: the httpx transport for every instance (tests pass fakes; default: the network)."""
+                 transport: httpx.AsyncBaseTransport | None = None, first_token: str = "prefill") -> None:
+        """``transport``: the httpx transport for every instance (tests pass fakes; default: the network).
+        ``first_token``: who answers a push-flow request's first token, ``"prefill"`` (Splitwise's order, the
+        default: see :func:`first_token_ineligible` for the requests that still take the decode's) or
+        ``"decode"`` (the decode recomputes the last prompt token and samples it, as vLLM's own P/D does)."""
+        if first_token not in FIRST_TOKEN:
+            raise ValueError(f"first_token must be one of {FIRST_TOKEN}, got {first_token!r}")
+        self.first_token = first_token
         if not prefill or not decode:
             raise ValueError("need at least one --prefill and one --decode URL")
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -171,7 +180,7 @@ class Proxy:
 
     @staticmethod
     def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-        out = copy.deepcopy(body)
+        out = dict(body)  # shallow: only top-level keys change
         out["kv_transfer_params"] = params
         out["stream"] = False
         out.pop("stream_options", None)
@@ -188,30 +197,27 @@ class Proxy:
 
     async def handle(self, api: str, request: Request) -> Response:
         body = await request.json()
+        xfer = uuid.uuid4().hex
+        trace.event("proxy.recv", xfer)
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "x-request-id")}
         p, d = self.pick()
-        xfer = uuid.uuid4().hex
         n = int(body.get("n") or 1)
+        if self.mode == "push" and self.first_token == "prefill":
+            why_not = first_token_ineligible(body)
+            if why_not == "max_tokens=1":  # the prefill's one token is the whole answer: no decode leg
+                return await self._single(p, api, body, headers)
+            if why_not is None:
+                return await self._first_from_prefill(p, d, api, body, headers, xfer)
         prefill_task: asyncio.Task[Any] | None = None
         if self.mode == "push":
-            side = None
-            for attempt in range(len(self.prefill)):
-                if attempt:
-                    p = self.pick_prefill()
-                try:
-                    side = await self.discover(p, headers)
-                    break
-                except (httpx.HTTPError, RuntimeError, KeyError, ValueError) as exc:
-                    p.mark_down(exc)
-            if side is None:
-                return JSONResponse({"error": "no prefill instance reachable: " + ", ".join(i.url for i in self.prefill)},
-                                    status_code=503)
+            side = await self._side_channel(p, headers)
+            if isinstance(side, Response):
+                return side
+            p, side = side
             pbody = self.prefill_body(body, {"do_remote_decode": True, "do_remote_prefill": False,
                                              "kvt_xfer": xfer, "kvt_fanout": n})
-            dbody = copy.deepcopy(body)
-            dbody["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False, "kvt_xfer": xfer,
-                                           "remote_host": side["kvt_host"], "remote_port": side["kvt_port"],
-                                           "remote_engine_id": side["kvt_engine_id"]}
+            dbody = dict(body)
+            dbody["kv_transfer_params"] = self.decode_params(xfer, side)
             prefill_task = asyncio.create_task(self._prefill(p, api, pbody, headers))
         else:
             # kvt_fanout: the decode request's n children each pull; the prefill keeps its blocks for all of
@@ -222,15 +228,21 @@ class Proxy:
             presp = await self._prefill(p, api, pbody, headers)
             if isinstance(presp, Response):
                 return presp
-            dbody = copy.deepcopy(body)
+            dbody = dict(body)
             if presp.get("kv_transfer_params"):
                 dbody["kv_transfer_params"] = presp["kv_transfer_params"]
         req = d.client.build_request("POST", api, json=dbody, headers=headers)
+        trace.event("proxy.sent", xfer)
         resp = await d.client.send(req, stream=True)
 
         async def relay() -> AsyncIterator[bytes]:
+            first = True
             try:
                 async for chunk in resp.aiter_raw():
+                    if first:
+                        trace.event("proxy.decode_first", xfer)
+                        trace.event("proxy.first_out", xfer)
+                        first = False
                     yield chunk
             finally:
                 await resp.aclose()
@@ -240,6 +252,126 @@ class Proxy:
 
         return StreamingResponse(relay(), status_code=resp.status_code,
                                  media_type=resp.headers.get("content-type", "application/json"))
+
+    @staticmethod
+    def decode_params(xfer: str, side: dict[str, Any], first_token: bool = False) -> dict[str, Any]:
+        """The decode leg's ``kv_transfer_params`` of the push flow (the prefill engine's side channel)."""
+        params: dict[str, Any] = {"do_remote_prefill": True, "do_remote_decode": False, "kvt_xfer": xfer,
+                                  "remote_host": side["kvt_host"], "remote_port": side["kvt_port"],
+                                  "remote_engine_id": side["kvt_engine_id"]}
+        if first_token:
+            params["kvt_first_token"] = True
+        return params
+
+    async def _side_channel(self, p: Instance, headers: dict[str, str]
+                            ) -> tuple[Instance, dict[str, Any]] | Response:
+        """A live prefill (``p`` or the next in rotation) and its side channel, or a 503 when none answers."""
+        for attempt in range(len(self.prefill)):
+            if attempt:
+                p = self.pick_prefill()
+            try:
+                return p, await self.discover(p, headers)
+            except (httpx.HTTPError, RuntimeError, KeyError, ValueError) as exc:
+                p.mark_down(exc)
+        return JSONResponse({"error": "no prefill instance reachable: " + ", ".join(i.url for i in self.prefill)},
+                            status_code=503)
+
+    async def _single(self, p: Instance, api: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
+        """A request the prefill answers alone (one token): sent to it as a plain request, relayed as is."""
+        req = p.client.build_request("POST", api, json=body, headers=headers)
+        try:
+            resp = await p.client.send(req, stream=True)
+        except httpx.HTTPError as exc:
+            p.mark_down(exc)
+            return JSONResponse({"error": f"prefill instance {p.url} failed: {exc}"}, status_code=502)
+        return _relay_as_is(resp)
+
+    async def _first_from_prefill(self, p: Instance, d: Instance, api: str, body: dict[str, Any],
+                                  headers: dict[str, str], xfer: str) -> Response:
+        """Splitwise's order: both legs start at once (the decode allocates and receives the KV layer by layer);
+        the client gets the first token from the prefill as soon as it is sampled, then the decode's tokens,
+        which continue from that token (the prefill hands it to the decode engine with the KV)."""
+        side = await self._side_channel(p, headers)
+        if isinstance(side, Response):
+            return side
+        p, side = side
+        pbody = first_token_prefill_body(body, {"do_remote_decode": True, "do_remote_prefill": False,
+                                                "kvt_xfer": xfer, "kvt_fanout": 1, "kvt_first_token": True})
+        dbody = first_token_decode_body(body, self.decode_params(xfer, side, first_token=True))
+        dreq = d.client.build_request("POST", api, json=dbody, headers=headers)
+        decode_task = asyncio.create_task(d.client.send(dreq, stream=True))
+        prefill_task = asyncio.create_task(self._prefill(p, api, pbody, headers))
+        trace.event("proxy.sent", xfer)
+        chat = api.endswith("/chat/completions")
+
+        async def decode_response() -> httpx.Response | None:
+            try:
+                return await decode_task
+            except httpx.HTTPError as exc:
+                log.error("decode %s failed: %s", d.url, exc)
+                return None
+
+        async def cancel_decode() -> None:
+            if not decode_task.done():
+                decode_task.cancel()
+            with contextlib.suppress(BaseException):
+                resp = await decode_task
+                await resp.aclose()  # closing the stream aborts the decode request
+
+        presp = await prefill_task
+        trace.event("proxy.prefill_done", xfer)
+        first = first_choice(presp)
+        if first is None:  # the prefill failed: the decode takes the failure path; relay its answer
+            resp = await decode_response()
+            if resp is None:
+                return presp if isinstance(presp, Response) else JSONResponse(
+                    {"error": f"prefill {p.url} and decode {d.url} failed"}, status_code=502)
+            return _relay_as_is(resp)
+        finished = first.get("finish_reason") == "stop"
+        if not body.get("stream"):
+            if finished:
+                await cancel_decode()
+                trace.event("proxy.first_out", xfer)
+                presp.pop("kv_transfer_params", None)
+                return JSONResponse(presp)
+            resp = await decode_response()
+            if resp is None:
+                return JSONResponse({"error": f"decode instance {d.url} failed"}, status_code=502)
+            raw = await resp.aread()
+            await resp.aclose()
+            trace.event("proxy.decode_first", xfer)
+            trace.event("proxy.first_out", xfer)
+            if resp.status_code != 200:
+                return Response(raw, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+            return JSONResponse(merge_response(presp, json.loads(raw), chat))
+
+        async def stream() -> AsyncIterator[bytes]:
+            yield sse(first_chunk(presp, chat, finished=finished))
+            trace.event("proxy.first_out", xfer)
+            if finished:
+                await cancel_decode()
+                if (body.get("stream_options") or {}).get("include_usage"):
+                    yield sse(usage_chunk(presp, chat))
+                yield b"data: [DONE]\n\n"
+                return
+            resp = await decode_response()
+            if resp is None:
+                yield sse({"error": {"message": f"decode instance {d.url} failed", "code": 502}})
+                yield b"data: [DONE]\n\n"
+                return
+            try:
+                seen = False
+                async for event in sse_events(resp.aiter_raw()):
+                    if not seen:
+                        trace.event("proxy.decode_first", xfer)
+                        seen = True
+                    out = continue_event(event, presp, chat)
+                    if out is not None:
+                        yield out
+            finally:
+                await resp.aclose()
+
+        return StreamingResponse(stream(), status_code=200, media_type="text/event-stream")
 
     async def _prefill(self, inst: Instance, api: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
         try:
@@ -256,6 +388,215 @@ class Proxy:
         out = r.json()
         inst.learn(out.get("kv_transfer_params") if isinstance(out, dict) else None)
         return out
+
+
+FIRST_TOKEN = ("prefill", "decode")
+_CONSTRAINED = ("tools", "functions", "response_format", "structured_outputs", "guided_json", "guided_regex",
+                "guided_choice", "guided_grammar", "guided_whitespace_pattern", "guided_decoding_backend")
+
+
+def first_token_ineligible(body: dict[str, Any]) -> str | None:
+    """Why the prefill cannot answer this request's first token (None: it can). ``"max_tokens=1"``: the
+    prefill's token is the whole answer. Otherwise the decode samples the first token, as without the option:
+    ``n`` > 1 (each child samples its own), ``seed`` (one generator must sample every token to reproduce it),
+    ``best_of``/beam search, ``echo``, ``prompt_logprobs`` (the decode computes no prompt) and structured output
+    or tools (the decode's grammar would not have seen the first token)."""
+    if int(body.get("n") or 1) != 1:
+        return "n>1"
+    for key in ("seed", "best_of", "use_beam_search", "echo", "prompt_logprobs", *_CONSTRAINED):
+        if body.get(key) not in (None, False, 1 if key == "best_of" else None):
+            return key
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit <= 1:
+        return "max_tokens=1"
+    return None
+
+
+def first_token_prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg of the first-token flow: the client's sampling, one token, not streamed."""
+    out = dict(body)  # shallow: only top-level keys change
+    out["kv_transfer_params"] = params
+    out["stream"] = False
+    out.pop("stream_options", None)
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    if isinstance(out.get("min_tokens"), int):
+        out["min_tokens"] = min(out["min_tokens"], 1)
+    return out
+
+
+def first_token_decode_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """The decode leg of the first-token flow: one token fewer to generate (and to reach), since the first one
+    comes from the prefill and counts as the decode's prompt."""
+    out = dict(body)
+    out["kv_transfer_params"] = params
+    for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
+        if isinstance(out.get(key), int) and not isinstance(out[key], bool):
+            out[key] = max(0, out[key] - 1)
+    return out
+
+
+def first_choice(resp: Any) -> dict[str, Any] | None:
+    """The prefill answer's one choice, or None when the prefill failed (an error response, no choice)."""
+    if not isinstance(resp, dict):
+        return None
+    choices = resp.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        return None
+    return choices[0]
+
+
+def _text(choice: dict[str, Any], chat: bool) -> str:
+    if chat:
+        msg = choice.get("message") or choice.get("delta") or {}
+        return str(msg.get("content") or "")
+    return str(choice.get("text") or "")
+
+
+def _token_ids(choice: dict[str, Any]) -> list[int] | None:
+    ids = choice.get("token_ids")
+    if ids is None and isinstance(choice.get("message"), dict):
+        ids = choice["message"].get("token_ids")
+    return list(ids) if isinstance(ids, list) else None
+
+
+def _merge_logprobs(first: Any, rest: Any, chat: bool, shift: int) -> Any:
+    if not isinstance(first, dict) or not isinstance(rest, dict):
+        return rest if rest is not None else first
+    if chat:
+        return {**rest, "content": list(first.get("content") or []) + list(rest.get("content") or [])}
+    out = dict(rest)
+    for key in ("tokens", "token_logprobs", "top_logprobs"):
+        out[key] = list(first.get(key) or []) + list(rest.get(key) or [])
+    out["text_offset"] = list(first.get("text_offset") or []) + [o + shift for o in rest.get("text_offset") or []]
+    return out
+
+
+def _count_first_token(usage: Any) -> Any:
+    if isinstance(usage, dict):
+        for key in ("completion_tokens", "total_tokens"):
+            if isinstance(usage.get(key), int):
+                usage[key] += 1
+    return usage
+
+
+def merge_response(prefill: dict[str, Any], decode: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """One non-streamed answer from the prefill's first token and the decode's continuation."""
+    first = first_choice(prefill) or {}
+    out = dict(decode)
+    choices = [dict(c) for c in decode.get("choices") or []]
+    if choices:
+        c = choices[0]
+        text0 = _text(first, chat)
+        if chat:
+            msg = dict(c.get("message") or {})
+            msg["content"] = text0 + str(msg.get("content") or "")
+            if isinstance(msg.get("token_ids"), list) and _token_ids(first) is not None:
+                msg["token_ids"] = _token_ids(first) + msg["token_ids"]  # type: ignore[operator]
+            c["message"] = msg
+        else:
+            c["text"] = text0 + str(c.get("text") or "")
+        if isinstance(c.get("token_ids"), list) and _token_ids(first) is not None:
+            c["token_ids"] = _token_ids(first) + c["token_ids"]  # type: ignore[operator]
+        if first.get("logprobs") is not None or c.get("logprobs") is not None:
+            c["logprobs"] = _merge_logprobs(first.get("logprobs"), c.get("logprobs"), chat, len(text0))
+        out["choices"] = choices
+    out["usage"] = _count_first_token(dict(decode["usage"]) if isinstance(decode.get("usage"), dict) else None)
+    out.pop("kv_transfer_params", None)
+    return out
+
+
+def first_chunk(prefill: dict[str, Any], chat: bool, finished: bool) -> dict[str, Any]:
+    """The stream's first event: the prefill's token, in the format the decode's events have."""
+    c0 = first_choice(prefill) or {}
+    choice: dict[str, Any] = {"index": 0, "logprobs": c0.get("logprobs"),
+                              "finish_reason": c0.get("finish_reason") if finished else None}
+    if chat:
+        choice["delta"] = {"role": "assistant", "content": _text(c0, True)}
+    else:
+        choice["text"] = _text(c0, False)
+        if finished:
+            choice["stop_reason"] = c0.get("stop_reason")
+    ids = _token_ids(c0)
+    if ids is not None:
+        choice["token_ids"] = ids
+    if c0.get("prompt_token_ids") is not None:
+        choice["prompt_token_ids"] = c0["prompt_token_ids"]
+    return {"id": prefill.get("id"), "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": prefill.get("created"), "model": prefill.get("model"), "choices": [choice]}
+
+
+def usage_chunk(prefill: dict[str, Any], chat: bool) -> dict[str, Any]:
+    return {"id": prefill.get("id"), "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": prefill.get("created"), "model": prefill.get("model"), "choices": [],
+            "usage": prefill.get("usage")}
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Whole server-sent events (``data: ...`` up to the blank line) from a byte stream cut anywhere."""
+    buf = b""
+    async for chunk in chunks:
+        buf += chunk
+        while True:
+            cut = buf.find(b"\n\n")
+            if cut < 0:
+                break
+            event, buf = buf[:cut], buf[cut + 2:]
+            if event.strip():
+                yield event
+    if buf.strip():
+        yield buf
+
+
+def continue_event(event: bytes, prefill: dict[str, Any], chat: bool) -> bytes | None:
+    """A decode event of the first-token flow as the client gets it: under the prefill's completion id, with
+    the first token counted in ``usage``, and without the decode's opening role-only event (chat), which the
+    first event already carried. Events that are not JSON data pass as they are."""
+    line = event.strip()
+    if not line.startswith(b"data:"):
+        return event + b"\n\n"
+    payload = line[5:].strip()
+    if payload == b"[DONE]":
+        return b"data: [DONE]\n\n"
+    try:
+        obj = json.loads(payload)
+    except ValueError:
+        return event + b"\n\n"
+    if not isinstance(obj, dict):
+        return event + b"\n\n"
+    if "error" in obj:
+        return sse(obj)
+    choices = obj.get("choices") or []
+    if chat and len(choices) == 1 and isinstance(choices[0], dict) and not obj.get("usage"):
+        delta = choices[0].get("delta") or {}
+        if delta.get("role") and not delta.get("content") and not choices[0].get("finish_reason") \
+                and not choices[0].get("token_ids") and set(delta) <= {"role", "content"}:
+            return None
+    for c in choices:
+        if isinstance(c, dict):
+            c.pop("prompt_token_ids", None)  # the first event carried them
+    if prefill.get("id") is not None:
+        obj["id"] = prefill["id"]
+    if obj.get("usage"):
+        _count_first_token(obj["usage"])
+    return sse(obj)
+
+
+def _relay_as_is(resp: httpx.Response) -> Response:
+    async def relay() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+        finally:
+            await resp.aclose()
+
+    return StreamingResponse(relay(), status_code=resp.status_code,
+                             media_type=resp.headers.get("content-type", "application/json"))
 
 
 def build_app(proxy: Proxy) -> FastAPI:
@@ -296,6 +637,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--mode", choices=("push", "pull"), default="push")
+    ap.add_argument("--first-token", choices=FIRST_TOKEN, default="prefill",
+                    help="push mode: who answers the first token. prefill (default, Splitwise's order): the client "
+                         "gets it as soon as the prefill sampled it and the decode continues from it; decode: the "
+                         "decode recomputes the last prompt token and samples the first token itself")
+    ap.add_argument("--trace", metavar="DIR", default=None,
+                    help=f"record per-request milestones under DIR (as {trace.ENV} does for the vLLM instances)")
     ap.add_argument("--timeout", type=float, default=None,
                     help="seconds to wait for a response's next bytes (default: no bound, for long generations); "
                          f"connecting, sending and pool waits are always bounded ({CONNECT_TIMEOUT_S:g} s)")
@@ -304,7 +651,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import uvicorn
 
-    proxy = Proxy(args.prefill, args.decode, mode=args.mode, timeout=args.timeout)
+    trace.configure(args.trace or os.environ.get(trace.ENV), "proxy")
+    proxy = Proxy(args.prefill, args.decode, mode=args.mode, timeout=args.timeout, first_token=args.first_token)
     uvicorn.run(build_app(proxy), host=args.host, port=args.port, log_level=args.log_level)
 
 

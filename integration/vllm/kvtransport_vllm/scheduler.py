@@ -28,6 +28,7 @@ from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import trace
 from .config import ConnectorSettings
 from .metadata import Push, SendFailure, StepPlan
 from .protocol import PROTOCOL_VERSION, b64, compat_hash
@@ -36,6 +37,15 @@ from .sidechannel import PeerClient, SideChannelServer
 log = logging.getLogger("vllm.kvtransport")
 
 FINISHED_OK = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+IDLE_INBOX_WAIT_S = 0.001
+"""In a step that schedules nothing while a request waits for the side channel (a prefill for its destination,
+a decode for its first token), the scheduler waits this long for the next side-channel event instead of
+returning at once: the reader thread that delivers it then gets the GIL without waiting out the interpreter's
+5 ms switch interval, which a busy-looping engine would otherwise impose on every hand-off."""
+MAX_ORPHANS = 4096
+"""Destinations held for prefill requests that have not arrived yet (all decode engines together)."""
+MAX_ORPHANS_PER_ENGINE = 1024
+"""Of those, what one decode engine may hold (one engine cannot take every place)."""
 PREFILL_LOST = "prefill lost: "  # prefix of recv_fail reasons caused by a lost prefill (the worker counts them)
 _CHILD = re.compile(r"^\d+_")
 
@@ -82,6 +92,9 @@ class _Source:
     registered: float = field(default_factory=time.monotonic)
     holders: set[str] = field(default_factory=set)  # decode engines that asked for (renewed) this transfer
     debug_delay: bool = False
+    first_token: bool = False  # Splitwise order: the decode continues from the token this request samples
+    first: int | None = None  # that token, once sampled
+    first_told: set[str] = field(default_factory=set)  # decode engines it was sent to
     considered: float | None = None  # when the prefill scheduler first wanted to run it (admission wait start)
     ready_sent: set[str] = field(default_factory=set)  # decode engines told "ready" for this transfer
     wait_done: bool = False  # its admission wait was recorded (it ran)
@@ -105,6 +118,18 @@ class _Recv:
     xfer: str
     addr: tuple[str, int]
     started: float
+
+
+@dataclass
+class _FirstWait:
+    """A decode request of the first-token flow: it continues from the token its prefill samples, which comes
+    over the side channel (``first``) and is appended to its prompt before it is scheduled."""
+
+    request: Any  # vLLM's Request
+    xfer: str
+    addr: tuple[str, int]
+    prompt_len: int  # the prompt as the client sent it (the remote KV covers it)
+    applied: bool = False
 
 
 def transfer_params_kind(params: dict[str, Any] | None) -> str | None:
@@ -134,6 +159,7 @@ class SchedulerSide:
         self.worker_meta: dict[int, dict[str, Any]] = {}
         self.inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self.host = settings.address
+        trace.set_role("prefill" if producer else "decode")
         self.server: SideChannelServer | None = None
         if producer:
             self.server = SideChannelServer(self.host, settings.side_channel_port, engine_id, self.compat,
@@ -157,7 +183,8 @@ class SchedulerSide:
         self.family_asked: dict[str, int] = {}
         self.peer_workers: dict[str, dict[int, bytes]] = {}
         self.holds: dict[str, tuple[float, set[str]]] = {}  # xfer -> (expiry, engines): renewed before registered
-        self.counters: dict[str, int] = {"lease_expirations": 0, "decode_disconnects": 0, "dst_wait_timeouts": 0}
+        self.counters: dict[str, int] = {"lease_expirations": 0, "decode_disconnects": 0, "dst_wait_timeouts": 0,
+                                         "first_tokens_sent": 0, "first_tokens_received": 0}
         self.foreign_refused = 0  # dst / cancel naming another decode engine's request (log and tests)
         self.dst_waits: list[float] = []  # seconds prefill requests waited for their destinations (stats)
         self._new_peers: set[str] = set()
@@ -173,12 +200,15 @@ class SchedulerSide:
         self._recv_abort: list[str] = []
         self._recv_fail: dict[str, str] = {}
         self._recv_from: dict[str, dict[int, str]] = {}
+        self._recv_hold: set[str] = set()
         self.prefill_senders: dict[tuple[str, int], dict[int, str]] = {}  # prefill addr -> rank -> instance id
         self.wanted: dict[str, tuple[str, tuple[str, int]]] = {}  # decode req -> (xfer, prefill addr) not landed
         self._last_renew = 0.0
         self.arrived: dict[str, float] = {}  # decode push-flow req -> when it arrived (admission bound)
         self.ready_xfers: OrderedDict[str, float] = OrderedDict()  # transfers a prefill said it is about to run
         self.doomed: dict[str, str] = {}  # decode req -> why its KV cannot come (admitted only to fail)
+        self.first_waits: dict[str, _FirstWait] = {}  # decode req -> its first-token wait (until it is scheduled)
+        self._first_ready: set[str] = set()  # decode reqs whose first token was appended (workers may report them)
         self.block_pool: Any = None  # vLLM's block pool (bind_gpu_block_pool): usage decides eager admission
         self._gauges_sent: dict[str, int] = {}  # gauge values last reported in stats
 
@@ -232,6 +262,10 @@ class SchedulerSide:
                 self.wanted[request.request_id] = (str(xfer), addr)
                 self.arrived[request.request_id] = time.monotonic()
                 self._outgoing[addr].append({"type": "renew", "xfers": [str(xfer)]})
+                trace.event("d.new", str(xfer), seq=request.request_id)
+                if params.get("kvt_first_token") is True and params.get("kvt_xfer"):
+                    self.first_waits[request.request_id] = _FirstWait(request, str(xfer), addr,
+                                                                     int(request.num_prompt_tokens))
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Decode: claim the rest of the prompt for remote KV ``(n, True)`` once admitted (:meth:`_admit_now`),
@@ -245,8 +279,11 @@ class SchedulerSide:
                 return 0, False
             if self.settings.debug_hold and params.get("kvt_debug_hold") is True:
                 return None, False  # test-only (debug_hold): never admitted; the lease is still renewed
-            count = request.num_prompt_tokens - num_computed_tokens
+            first = self.first_waits.get(request.request_id)
+            count = (first.prompt_len if first is not None else request.num_prompt_tokens) - num_computed_tokens
             if count <= 0:
+                if first is not None and not first.applied and request.request_id not in self.doomed:
+                    return None, False  # found locally, but it continues from the prefill's first token: wait
                 return 0, False
             return (count, True) if self._admit_now(request.request_id, params) else (None, False)
         if kind == "prefill" and self.producer and self._waits_for_destinations(request.request_id):
@@ -346,6 +383,10 @@ class SchedulerSide:
         offset = len(all_ids) - len(unhashed)
         self.recvs[rid] = _Recv(rid, xfer, addr, time.monotonic())
         self._recv_start[rid] = self.settings.transfer_timeout
+        first = self.first_waits.get(rid)
+        if first is not None and not first.applied:
+            self._recv_hold.add(rid)  # its workers report the KV landed only once the first token is appended
+        trace.event("d.alloc", xfer, seq=rid)
         self._recv_blocks[rid] = unhashed
         if addr in self.prefill_senders:
             self._recv_from[rid] = self.prefill_senders[addr]
@@ -385,7 +426,11 @@ class SchedulerSide:
             self._drop_source(rid)  # its siblings took every pull: nobody will ask for this one
             return False, None
         status = getattr(request.status, "name", str(request.status))
+        trace.event("p.finished", src.xfer, req=rid)
         if status in FINISHED_OK and block_ids:
+            if src.first_token and src.first is None and request.num_output_tokens > 0:
+                src.first = int(request.output_token_ids[0])
+                self._tell_first(src)
             src.complete = True
             src.blocks = list(block_ids)
             src.computed = max(src.computed, min(request.num_computed_tokens, src.prompt_len))
@@ -416,6 +461,7 @@ class SchedulerSide:
         for rid in finished_recving or ():
             self.recvs.pop(rid, None)
             self.wanted.pop(rid, None)
+            self.first_waits.pop(rid, None)
 
     def has_pending_push_work(self) -> bool:
         """True while destinations wait for their prefill request, or pushes/releases are queued."""
@@ -423,9 +469,11 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ per step
     def build_plan(self, scheduler_output: Any) -> StepPlan:
-        """Drain the side channel, plan this step's pushes/releases/receives, send queued messages."""
+        """Drain the side channel, plan this step's pushes/releases/receives, send queued messages. In a step
+        that schedules nothing while a request waits for the side channel, wait up to IDLE_INBOX_WAIT_S for it."""
         now = time.monotonic()
-        self._drain_inbox(now)
+        idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        self._drain_inbox(now, wait=IDLE_INBOX_WAIT_S if idle and self._awaits_side_channel() else 0.0)
         plan = StepPlan()
         if self.producer:
             self._plan_scheduled(scheduler_output, plan)
@@ -442,6 +490,8 @@ class SchedulerSide:
             plan.recv_abort, self._recv_abort = self._recv_abort, []
             plan.recv_fail, self._recv_fail = self._recv_fail, {}
             plan.recv_from, self._recv_from = self._recv_from, {}
+            plan.recv_hold, self._recv_hold = self._recv_hold, set()
+            plan.recv_release, self._first_ready = self._first_ready, set()
             self._flush_outgoing()
         return plan
 
@@ -456,7 +506,9 @@ class SchedulerSide:
         xfer = str(params["kvt_xfer"]) if push else rid
         fanout = int(params.get("kvt_fanout", 1) or 1)
         src = _Source(rid, xfer, "push" if push else "pull", max(1, fanout), int(request.num_prompt_tokens),
-                      debug_delay=bool(params.get("kvt_debug_delay")) and self.settings.debug_push_delay > 0)
+                      debug_delay=bool(params.get("kvt_debug_delay")) and self.settings.debug_push_delay > 0,
+                      first_token=push and params.get("kvt_first_token") is True)
+        trace.event("p.new", xfer, req=rid)
         self.src_by_req[rid] = src
         fam = self._family(src)
         if fam is not None:
@@ -472,6 +524,8 @@ class SchedulerSide:
                 src.dsts.extend(dsts)
                 src.msgs += 1 if dsts else 0
                 src.cancels += cancels
+                if dsts:
+                    trace.event("p.dst", xfer, req=rid, wait=0.0)
         return src
 
     @staticmethod
@@ -505,12 +559,22 @@ class SchedulerSide:
             while len(self.gone) > 4096:
                 self.gone.pop(next(iter(self.gone)))
 
-    def _drain_inbox(self, now: float) -> None:
+    def _awaits_side_channel(self) -> bool:
+        """Whether a request waits for a side-channel event: a prefill request for its destination, a decode
+        request for its first token."""
+        if any(f.request.request_id in self.recvs and not f.applied for f in self.first_waits.values()):
+            return True
+        return any(s.considered is not None and not s.wait_done for s in self.src_by_req.values())
+
+    def _drain_inbox(self, now: float, wait: float = 0.0) -> None:
+        """Handle every queued side-channel event; with ``wait`` > 0, first wait that long for one (releasing
+        the GIL to the threads that deliver them)."""
         while True:
             try:
-                ev = self.inbox.get_nowait()
+                ev = self.inbox.get(timeout=wait) if wait > 0 else self.inbox.get_nowait()
             except queue.Empty:
                 break
+            wait = 0.0
             kind = ev[0]
             if kind == "hello":
                 _, engine, hello = ev
@@ -546,6 +610,9 @@ class SchedulerSide:
                 for rid, rec in self.recvs.items():
                     if rec.addr == tuple(addr):
                         self._recv_from[rid] = senders
+            elif kind == "first":
+                _, addr, xfer, token = ev
+                self._first_token_arrived(tuple(addr), str(xfer), int(token))
             elif kind == "ready":
                 for xfer in ev[2]:
                     self.ready_xfers[str(xfer)] = now
@@ -609,9 +676,15 @@ class SchedulerSide:
                 return
             self._renewed(engine, [xfer], now)
             if src is None:
-                if msg.get("mode") == "push" and xfer not in self.gone:
+                if msg.get("mode") == "push" and xfer not in self.gone and (
+                        xfer in self.orphans or (len(self.orphans) < MAX_ORPHANS
+                                                 and self._orphans_of(engine) < MAX_ORPHANS_PER_ENGINE)):
                     dl, old, cancels = self.orphans.get(xfer, (now + self.settings.lease, [], 0))
                     self.orphans[xfer] = (dl, old + dsts, cancels)
+                elif msg.get("mode") == "push" and xfer not in self.gone:
+                    for d in dsts:
+                        self._send_fail(engine, [d.seq], "prefill holds too many destinations whose prefill request "
+                                                         "has not arrived: refused")
                 else:
                     why = self.gone.get(xfer, "unknown transfer (expired, or sent to the wrong prefill instance)")
                     for d in dsts:
@@ -621,9 +694,15 @@ class SchedulerSide:
                 for d in dsts:
                     self._send_fail(engine, [d.seq], src.failed)
                 return
+            known = src.destinations_known()
             src.dsts.extend(dsts)
             src.msgs += 1
             self._family_asks(src, len(dsts))
+            if not known and src.destinations_known():
+                trace.event("p.dst", src.xfer, req=src.req_id,
+                            wait=round(now - src.considered, 6) if src.considered is not None else None)
+            if src.first is not None:
+                self._tell_first(src)
         elif mtype == "cancel":
             seqs = {str(s) for s in msg.get("seqs", [])}
             seqs -= self._foreign(engine, xfer, sorted(seqs))
@@ -648,6 +727,39 @@ class SchedulerSide:
             self._family_asks(src, count)
         else:
             log.warning("kvtransport side channel: ignoring message type %r from %s", mtype, engine)
+
+    def _orphans_of(self, engine: str) -> int:
+        """Transfers waiting for their prefill request that hold a destination of decode ``engine``."""
+        return sum(1 for _, dsts, _ in self.orphans.values() if any(d.engine == engine for d in dsts))
+
+    def _tell_first(self, src: _Source) -> None:
+        """Send ``src``'s first token to every decode engine that holds or receives its transfer (not told yet)."""
+        if self.server is None or src.first is None:
+            return
+        for engine in (src.holders | {d.engine for d in src.dsts if not d.cancelled}) - src.first_told:
+            if self.server.send(engine, {"type": "first", "xfer": src.xfer, "token": src.first}):
+                src.first_told.add(engine)
+                self.counters["first_tokens_sent"] += 1
+                trace.event("p.first_sent", src.xfer, engine=engine)
+
+    def _first_token_arrived(self, addr: tuple[str, int], xfer: str, token: int) -> None:
+        """Decode: the prefill at ``addr`` sampled ``token`` as the first token of ``xfer``: append it to the
+        prompt of each request of ours that continues from it (still waiting: not scheduled yet), so the decode
+        computes that token's KV and samples the second token. Its workers may then report the KV landed."""
+        for rid, first in list(self.first_waits.items()):
+            if first.xfer != xfer or first.addr != addr or first.applied:
+                continue
+            req = first.request
+            status = getattr(req.status, "name", str(req.status))
+            if status not in ("WAITING", "WAITING_FOR_REMOTE_KVS") or req.num_output_tokens or \
+                    req.num_prompt_tokens != first.prompt_len or req.prompt_token_ids is None:
+                log.warning("kvtransport: first token of %s came when it was %s; not applied", rid, status)
+                continue
+            append_prompt_token(req, token)
+            first.applied = True
+            self.counters["first_tokens_received"] += 1
+            self._first_ready.add(rid)
+            trace.event("d.first", xfer, seq=rid)
 
     def _plan_scheduled(self, so: Any, plan: StepPlan) -> None:
         layerwise = self.settings.mode == "push"
@@ -677,6 +789,8 @@ class SchedulerSide:
             return
         after = min(before + scheduled, src.prompt_len)
         src.computed = after
+        if after >= src.prompt_len:
+            trace.event("p.scheduled", src.xfer, req=src.req_id)
         if not (layerwise and src.mode == "push"):
             return
         bs = self.block_size
@@ -742,6 +856,8 @@ class SchedulerSide:
                 src.lease_until = max(src.lease_until, until)
                 if src.considered is not None or src.complete:  # it runs (or ran): this decode may allocate
                     self._send_ready(src)
+                if src.first is not None:
+                    self._tell_first(src)
             elif xfer not in self.gone:
                 _, engines = self.holds.get(xfer, (until, set()))
                 self.holds[xfer] = (until, engines | {engine})
@@ -806,6 +922,7 @@ class SchedulerSide:
 
     def _decode_finished(self, request: Any) -> None:
         rid = request.request_id
+        self.first_waits.pop(rid, None)
         self.wanted.pop(rid, None)
         self.arrived.pop(rid, None)
         self.doomed.pop(rid, None)
@@ -866,3 +983,17 @@ class SchedulerSide:
             self.server.close()
         for c in self.clients.values():
             c.close()
+
+
+def append_prompt_token(request: Any, token: int) -> None:
+    """Make ``token`` the last prompt token of vLLM ``request`` (not scheduled yet: no output, no computed KV
+    beyond the prompt). The engine then computes its KV and samples the next token; the client's API server
+    never sees it as an output (the proxy answered it from the prefill). Reads and writes only what
+    ``vllm.v1.request.Request`` has in every supported vLLM: ``prompt_token_ids``, ``_all_token_ids``,
+    ``num_prompt_tokens`` and the block hashes."""
+    request.prompt_token_ids = [*request.prompt_token_ids, int(token)]
+    if getattr(request, "prompt_is_token_ids", None) is not None:  # vLLM 0.32+: mixed token/embedding prompts
+        request.prompt_is_token_ids = [*request.prompt_is_token_ids, True]
+    request._all_token_ids.append(int(token))
+    request.num_prompt_tokens += 1
+    request.update_block_hashes()

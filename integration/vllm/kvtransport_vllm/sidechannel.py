@@ -1,8 +1,8 @@
 """Threads of the scheduler side channel: a server (prefill role) and per-peer clients (decode role).
 
 Neither blocks the scheduler: everything received lands in an ``inbox`` queue that the scheduler drains once
-per step, and everything sent goes through a per-connection outbound queue with its own writer thread.
-Inbox events (tuples)::
+per step, and a send is written by the calling thread when the socket takes it at once (no thread hand-off on
+the latency path), else queued for the connection's writer thread. Inbox events (tuples)::
 
     ("hello", engine_id, hello_msg)      server: a decode engine connected (carries its workers' metadata)
     ("msg", engine_id, msg)              server: a dst / cancel / renew message from that engine
@@ -11,6 +11,7 @@ Inbox events (tuples)::
     ("ready", (host, port), xfers)       client: that prefill is about to compute these transfers (allocate now)
     ("lost", (host, port), reason)       client: an established connection to that prefill ended
     ("senders", (host, port), senders)   client: that prefill's workers' kvtransport instance ids (rank -> id)
+    ("first", (host, port), xfer, token) client: that prefill sampled ``token`` as the first token of ``xfer``
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import socket
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +32,7 @@ from kvtransport.sidechannel import block_with_send_bound, enable_keepalive
 
 from .protocol import (
     MAX_HELLO,
+    MAX_ID_CHARS,
     PROTOCOL_VERSION,
     REFUSED,
     AuthFailure,
@@ -39,6 +42,7 @@ from .protocol import (
     check_message,
     check_senders,
     describe_mismatch,
+    encode_message,
     new_nonce,
     parse_message,
     parse_nonce,
@@ -56,51 +60,114 @@ MAX_HANDSHAKES = 32
 """Authenticated handshakes (compatibility check, welcome) running at once; more wait in the admission queue."""
 PREAUTH_TIMEOUT_S = 10.0
 """A connection must send its hello this soon (or within the connect timeout, if shorter)."""
+MAX_BACKLOG_BYTES = 64 << 20
+"""Bytes queued for one connection that its peer has not read; more fail the connection (a stalled peer)."""
+MAX_INBOX = 65536
+"""Events waiting for the scheduler; a peer's reader waits (up to the connection timeout) while that many wait,
+then the connection is dropped (a peer that floods)."""
+RECONNECT_PROBE_S = 1.0
+"""How long a hello under an engine id that is still connected waits for the old connection to prove dead."""
 _LENGTH = struct.Struct("!I")
 
 class _Conn:
-    """One established connection: a writer thread draining ``out`` and a reader loop run by the owner.
+    """One established connection: sends written at once by the caller when the socket takes them (else queued
+    for a writer thread, in order), and a reader loop run by the owner.
 
-    Reads block (the reader loop is woken by ``close``); each send is bounded by ``send_timeout`` (a peer that
-    is alive but stopped reading fails the connection instead of blocking the writer for ever), and TCP
-    keepalive probes a silent peer."""
+    Reads block (the reader loop is woken by ``close``); each queued send is bounded by ``send_timeout`` (a peer
+    that is alive but stopped reading fails the connection instead of blocking the writer for ever), at most
+    MAX_BACKLOG_BYTES wait, and TCP keepalive probes a silent peer."""
 
     def __init__(self, sock: socket.socket, label: str, send_timeout: float) -> None:
         block_with_send_bound(sock, send_timeout)
         enable_keepalive(sock)  # a silent peer host is declared lost after ~25 s (kvtransport.sidechannel)
         self.sock = sock
         self.label = label
-        self.out: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.closed = threading.Event()
+        self._wlock = threading.Condition()
+        self._backlog: deque[bytes] = deque()
+        self._queued = 0
+        self._writing = False  # the writer thread holds a frame: a direct send now would overtake it
         self._writer = threading.Thread(target=self._write_loop, name=f"kvt-sc-w-{label}", daemon=True)
         self._writer.start()
 
     def send(self, msg: dict[str, Any]) -> None:
-        if not self.closed.is_set():
-            self.out.put(msg)
+        """Send ``msg`` without blocking: written now when nothing is queued and the socket takes it, else
+        queued. A message too large for the protocol is dropped (logged); a full backlog closes the connection."""
+        try:
+            data = encode_message(msg)
+        except ProtocolFailure as exc:
+            log.error("side channel to %s: %s; not sent", self.label, exc)
+            return
+        with self._wlock:
+            if self.closed.is_set():
+                return
+            if not self._backlog and not self._writing:
+                try:
+                    sent = self.sock.send(data, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                except OSError:
+                    sent = 0  # the writer meets the error and closes the connection
+                if sent == len(data):
+                    return
+                data = data[sent:]
+            if self._queued + len(data) > MAX_BACKLOG_BYTES:
+                overflow = True
+            else:
+                overflow = False
+                self._backlog.append(data)
+                self._queued += len(data)
+                self._wlock.notify()
+        if overflow:
+            log.warning("side channel to %s: %d bytes unread by the peer; closing", self.label, self._queued)
+            self.close()
 
     def _write_loop(self) -> None:
         while True:
-            msg = self.out.get()
-            if msg is None or self.closed.is_set():
-                return
+            with self._wlock:
+                while not self._backlog and not self.closed.is_set():
+                    self._wlock.wait()
+                if self.closed.is_set():
+                    return
+                data = self._backlog.popleft()
+                self._queued -= len(data)
+                self._writing = True
             try:
-                send_message(self.sock, msg)
-            except (OSError, ProtocolFailure) as exc:
+                self.sock.sendall(data)
+            except OSError as exc:
                 log.warning("side channel to %s: send failed: %s", self.label, exc)
                 self.close()
                 return
+            finally:
+                with self._wlock:
+                    self._writing = False
 
     def close(self) -> None:
-        if self.closed.is_set():
-            return
-        self.closed.set()
-        self.out.put(None)
+        with self._wlock:
+            if self.closed.is_set():
+                return
+            self.closed.set()
+            self._backlog.clear()
+            self._queued = 0
+            self._wlock.notify_all()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self.sock.close()
+
+
+def _deliver(inbox: Inbox, event: tuple[Any, ...], timeout: float) -> None:
+    """Put a peer's ``event`` in the scheduler's inbox; while MAX_INBOX events wait there, the peer's reader
+    waits (at most ``timeout``: TCP then pushes back on the peer). Raises ProtocolFailure (the caller drops the
+    connection) when the scheduler does not drain it in time. The scheduler's own events never wait."""
+    deadline = time.monotonic() + timeout
+    while inbox.qsize() >= MAX_INBOX:
+        if time.monotonic() > deadline:
+            raise ProtocolFailure(f"{MAX_INBOX} side-channel events wait for the scheduler: dropping a peer "
+                                  "that floods")
+        time.sleep(0.01)
+    inbox.put(event)
 
 
 class SideChannelServer:
@@ -212,6 +279,10 @@ class SideChannelServer:
                          "incompatible KV caches, fields that differ: "
                          + describe_mismatch(info, theirs, values=False))
             return None
+        if not self._old_conn_gone(checked["engine_id"]):  # a second peer under a live engine's id
+            self._refuse(sock, label, checked["engine_id"], "an engine with this id is connected and alive",
+                         f"engine id {str(checked['engine_id'])[:64]} is already connected")
+            return None
         welcome = {"type": "welcome", "version": PROTOCOL_VERSION, "engine_id": self.engine_id, "compat": ours,
                    "compat_info": info, "lease": self.lease, "senders": self._senders() if self._senders else {}}
         send_message(sock, seal(welcome, self._secret, checked.pop("nonce")))
@@ -236,7 +307,7 @@ class SideChannelServer:
                 self._conns[engine] = conn
             if old is not None:
                 old.close()
-            self._inbox.put(("hello", engine, hello))
+            _deliver(self._inbox, ("hello", engine, hello), self._timeout)
             while True:
                 try:
                     msg = check_message(recv_message(sock))
@@ -248,7 +319,7 @@ class SideChannelServer:
                 if reply is not None:
                     conn.send(reply)
                 else:
-                    self._inbox.put(("msg", engine, msg))
+                    _deliver(self._inbox, ("msg", engine, msg), self._timeout)
         except (OSError, ProtocolFailure) as exc:
             why = str(exc)
             if not self._closed:
@@ -267,6 +338,25 @@ class SideChannelServer:
                 sock.close()
             except OSError:
                 pass
+
+    def _old_conn_gone(self, engine: str) -> bool:
+        """Whether no live connection of decode ``engine`` remains. A decode that reconnects (its old connection
+        broke without our noticing) gets in; a second peer claiming a live engine's id does not. The old
+        connection is probed (a ``ping``, which a live decode ignores; a peer that closed it answers with a
+        reset, ending its reader) and given RECONNECT_PROBE_S to go. Handshake thread; bounded."""
+        with self._lock:
+            old = self._conns.get(engine)
+        if old is None or old.closed.is_set():
+            return True
+        old.send({"type": "ping"})
+        deadline = time.monotonic() + min(RECONNECT_PROBE_S, self._timeout)
+        while time.monotonic() < deadline:
+            with self._lock:
+                current = self._conns.get(engine)
+            if current is not old or old.closed.is_set():
+                return True
+            time.sleep(0.02)
+        return False
 
     def close(self) -> None:
         self._closed = True
@@ -429,11 +519,21 @@ class PeerClient:
                 except MalformedMessage as exc:
                     log.warning("side channel to prefill %s: dropped a message: %s", self.label, exc)
                     continue
-                if msg.get("type") == "fail":
+                mtype = msg.get("type")
+                if mtype == "fail":
                     for seq in seqs:
-                        self._inbox.put(("fail", str(seq), str(msg.get("reason", "prefill failed"))))
-                elif msg.get("type") == "ready":
-                    self._inbox.put(("ready", (self.host, self.port), [str(x) for x in xfers]))
+                        _deliver(self._inbox, ("fail", str(seq)[:MAX_ID_CHARS],
+                                               str(msg.get("reason", "prefill failed"))[:2000]), self._timeout)
+                elif mtype == "ready":
+                    _deliver(self._inbox, ("ready", (self.host, self.port), [str(x)[:MAX_ID_CHARS] for x in xfers]),
+                             self._timeout)
+                elif mtype == "first":
+                    xfer, token = msg.get("xfer"), msg.get("token")
+                    if not isinstance(xfer, str) or not 0 < len(xfer) <= MAX_ID_CHARS or isinstance(token, bool) \
+                            or not isinstance(token, int) or not 0 <= token < 1 << 31:
+                        log.warning("side channel to prefill %s: dropped a malformed first-token message", self.label)
+                        continue
+                    _deliver(self._inbox, ("first", (self.host, self.port), xfer, token), self._timeout)
         except (OSError, ProtocolFailure) as exc:
             reason = f"side channel to prefill {self.label} lost: {exc}"
             closed = self.error is not None

@@ -15,7 +15,8 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 COUNTERS = ("bytes_sent", "bytes_received", "puts", "puts_received", "failures", "transfers_sent",
             "transfers_layerwise", "transfers_whole", "transfers_received", "transfer_failures",
-            "lease_expirations", "decode_disconnects", "prefill_disconnects", "dst_wait_timeouts")
+            "lease_expirations", "decode_disconnects", "prefill_disconnects", "dst_wait_timeouts",
+            "first_tokens_sent", "first_tokens_received")
 TIMINGS = ("transfer_times", "dst_waits")
 """Lists of seconds: decode blocks held from allocation until the KV landed; prefill admission waits."""
 GAUGES = ("recv_unallocated", "recv_in_progress")
@@ -86,6 +87,8 @@ class KVTransportPromMetrics(KVConnectorPromMetrics):
             "decode_disconnects": "prefill requests given up because their decode's side channel went away",
             "prefill_disconnects": "decode requests failed because their prefill's side channel went away",
             "dst_wait_timeouts": "prefill requests that ran before their destination blocks were known (dst_wait)",
+            "first_tokens_sent": "prefill: first tokens sent to a decode instance (the client got them from here)",
+            "first_tokens_received": "decode: requests continued from the first token their prefill sampled",
         }
         self.counters: dict[str, dict[int, Any]] = {}
         for key, doc in docs.items():

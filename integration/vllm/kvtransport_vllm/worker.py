@@ -30,6 +30,7 @@ from typing import Any
 import kvtransport
 from kvtransport import KVLayout, KVTransportError, Peer
 
+from . import trace
 from .compat import block_dim
 from .config import ConnectorSettings
 from .metadata import Push, SendFailure, StepPlan
@@ -305,6 +306,7 @@ class _Pusher:
         except KVTransportError as exc:
             self._fail(p, exc)
             return
+        trace.event("p.signal", p.seq, req=p.req_id, kind=kind)
         if kind == "whole":
             self.sent_whole += 1
         else:
@@ -337,6 +339,7 @@ class WorkerSide:
         self.num_blocks = num_blocks
         self.engine_id = engine_id
         self.tp_rank = tp_rank
+        trace.set_role(f"worker{tp_rank}")
         self.cm: kvtransport.CommManager | None = None
         self.layout: KVLayout | None = None
         self.layer_index: dict[str, int] = {}
@@ -345,6 +348,9 @@ class WorkerSide:
         self._layers_done: set[int] = set()
         self._lock = threading.Lock()
         self._waiting: dict[str, tuple[float, float]] = {}  # decode req -> (start, deadline)
+        # first-token flow: receives reported only once their first token is in their prompt (StepPlan.recv_hold)
+        self._held: set[str] = set()
+        self._landed_held: dict[str, tuple[float, float]] = {}  # landed, not yet released -> (start, deadline)
         self._recv_blocks: dict[str, list[int]] = {}  # decode req -> its destination blocks, until it ended
         self._early: dict[str, float] = {}  # landed before we were told to wait for them
         self._done_recv: set[str] = set()
@@ -408,15 +414,31 @@ class WorkerSide:
                 for rid, timeout in plan.recv_start.items():
                     self._waiting[rid] = (now, now + timeout)
                     self._recv_blocks[rid] = list(plan.recv_blocks.get(rid, ()))
+                self._held |= plan.recv_hold - plan.recv_release
+                for rid in plan.recv_release:
+                    self._held.discard(rid)
+                    landed = self._landed_held.pop(rid, None)
+                    if landed is not None:
+                        self._report_landed(rid, landed[0], now)
                 for rid, senders in plan.recv_from.items():
                     self._expect(rid, senders.get(self.tp_rank))
                 while len(self._recv_blocks) > 65536:  # ended receives are popped; bound what was never reported
                     self._recv_blocks.pop(next(iter(self._recv_blocks)))
                 for rid in plan.recv_abort:
+                    self._held.discard(rid)
+                    if self._landed_held.pop(rid, None) is not None:  # landed already: nothing can come any more
+                        self._done_recv.add(rid)
+                        continue
                     if self._waiting.pop(rid, None) is not None or (rid in self._early and rid not in self._reported):
                         self._early.pop(rid, None)
                         self._fence(rid, failed=False)
                 for rid, reason in plan.recv_fail.items():
+                    self._held.discard(rid)
+                    if self._landed_held.pop(rid, None) is not None:  # its first token cannot come any more
+                        log.warning("kvtransport: %s landed but will not be continued: %s", rid, reason)
+                        self._failures += 1
+                        self._failed_recv.add(rid)
+                        continue
                     if self._waiting.pop(rid, None) is not None:
                         log.warning("kvtransport: KV for %s will not come: %s", rid, reason)
                         if reason.startswith(PREFILL_LOST):
@@ -501,6 +523,14 @@ class WorkerSide:
                     log.warning("kvtransport: KV for %s did not land within %gs", rid, self.settings.transfer_timeout)
                     del self._waiting[rid]
                     self._fence(rid, failed=True)
+            for rid, (_, deadline) in list(self._landed_held.items()):
+                if now >= deadline:
+                    log.warning("kvtransport: the first token of %s did not come within %gs", rid,
+                                self.settings.transfer_timeout)
+                    del self._landed_held[rid]
+                    self._held.discard(rid)
+                    self._failures += 1
+                    self._failed_recv.add(rid)
             done, self._done_recv = self._done_recv, set()
             failed, self._failed_recv = self._failed_recv, set()
         return TransferResults(sending, done | failed, failed)
@@ -516,13 +546,15 @@ class WorkerSide:
 
     def _finish(self, rid: str, now: float) -> None:
         assert self.cm is not None
-        start, _ = self._waiting.pop(rid)
+        start, deadline = self._waiting.pop(rid)
         try:
             self.cm.wait(rid, timeout=0)
-            self._done_recv.add(rid)
-            self._recv_blocks.pop(rid, None)
-            self._ended(rid)
-            self._times.append(now - start)
+            trace.event("d.landed", rid)
+            if rid in self._held:  # first-token flow: reported once its first token is in its prompt
+                self._landed_held[rid] = (start, deadline)
+                self._ended(rid)
+            else:
+                self._report_landed(rid, start, now)
         except KVTransportError as exc:
             log.warning("kvtransport: KV transfer for %s failed: %s", rid, exc)
             if isinstance(exc, kvtransport.PeerDisconnected):
@@ -530,6 +562,14 @@ class WorkerSide:
             self._fence(rid, failed=True)
             return
         self.cm.release(rid)
+
+    def _report_landed(self, rid: str, start: float, now: float) -> None:
+        """``rid``'s KV landed and may be used: report it finished_recving. Under ``_lock``."""
+        self._done_recv.add(rid)
+        self._recv_blocks.pop(rid, None)
+        self._ended(rid)
+        self._times.append(now - start)
+        trace.event("d.reported", rid)
 
     def _fence(self, rid: str, *, failed: bool) -> None:
         """Report ``rid`` only once no byte of it can land any more (the blocks may be reused right after):

@@ -1,0 +1,69 @@
+"""benchmarks/serving.py's breakdown of a P/D request's time from the milestones the instances and the proxy
+record (kvtransport_vllm.trace's format), and its report. Runs anywhere: synthetic milestones, no vLLM."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def serving() -> ModuleType:
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "serving.py"
+    spec = importlib.util.spec_from_file_location("serving_bench", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def request(xfer: str, seq: str, t0: float, dst_wait: float = 0.002) -> list[dict[str, Any]]:
+    """The milestones of one first-token-flow request, spaced as named below (seconds after ``t0``)."""
+    at = {"proxy.recv": 0.0, "proxy.sent": 0.001, "p.new": 0.003, "d.new": 0.0035, "d.alloc": 0.004,
+          "p.dst": 0.005, "p.scheduled": 0.0055, "p.finished": 0.0605, "p.signal": 0.0606,
+          "d.landed": 0.0607, "proxy.prefill_done": 0.0625, "p.first_sent": 0.0606, "d.first": 0.061,
+          "proxy.first_out": 0.063, "d.reported": 0.0612, "proxy.decode_first": 0.068}
+    rows = []
+    for ev, dt in at.items():
+        key = seq if ev in ("p.signal", "d.landed", "d.reported") else xfer
+        row: dict[str, Any] = {"t": t0 + dt, "ev": ev, "key": key}
+        if ev in ("d.new", "d.alloc", "d.first"):
+            row["seq"] = seq
+        if ev == "p.dst":
+            row["wait"] = dst_wait
+        rows.append(row)
+    return rows
+
+
+def test_breakdown_gives_the_median_of_each_segment_inside_the_window(serving: ModuleType) -> None:
+    rows = request("x1", "cmpl-1", 100.0, 0.001) + request("x2", "cmpl-2", 101.0, 0.002) \
+        + request("x3", "cmpl-3", 102.0, 0.003) + request("late", "cmpl-9", 500.0)  # outside the window
+    rows.sort(key=lambda r: r["t"])
+    b = serving.breakdown(rows, 99.0, 103.0)
+    assert b["proxy_in"] == {"p50_ms": 1.0, "n": 3}
+    assert b["prefill_forward"] == {"p50_ms": 55.0, "n": 3}
+    assert b["ttft_at_proxy"] == {"p50_ms": 63.0, "n": 3}
+    assert b["landed_after_signal"] == {"p50_ms": pytest.approx(0.1, abs=1e-3), "n": 3}  # joined via d.alloc
+    assert b["decode_answer"] == {"p50_ms": pytest.approx(6.8, abs=1e-3), "n": 3}
+    assert b["second_token_after_first"] == {"p50_ms": 5.0, "n": 3}
+    assert b["dst_wait"] == {"p50_ms": 2.0, "n": 3}
+    assert serving.breakdown(rows, 0.0, 1.0) == {}
+
+
+def test_the_report_shows_the_breakdown(serving: ModuleType, tmp_path: Path) -> None:
+    rows = request("x1", "cmpl-1", 100.0)
+    data = {"phase": "gpu", "configs": {
+        "single": {"2k-c1": {"median_ttft_ms": 60.0, "p99_ttft_ms": 61.0, "median_itl_ms": 5.0, "completed": 1}},
+        "push-mscclpp": {"2k-c1": {"median_ttft_ms": 61.2, "p99_ttft_ms": 62.0, "median_itl_ms": 5.0, "completed": 1,
+                                   "breakdown": serving.breakdown(rows, 0, 1e9), "connector": {}}}}}
+    f = tmp_path / "serving.json"
+    f.write_text(json.dumps(data))
+    serving.report([f], tmp_path)
+    md = (tmp_path / "serving.md").read_text()
+    assert "| gpu | push-mscclpp | 2k-c1 | 61.2 | 62.0 | 5.0 | 2.0 |" in md  # +2.0% over the single instance
+    assert "Where the time went" in md and "| push-mscclpp | 2k-c1 | 1.0 | 2.0 |" in md
