@@ -7,6 +7,7 @@ Needs root and iproute2 (CI runs as root); elsewhere every test here skips with 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 from collections.abc import Iterator
 from typing import Any
@@ -42,6 +43,15 @@ def _hosts(net: netns.Network) -> dict[str, Any]:
     return {"receiver": net.host("a"), "sender": net.host("b")}
 
 
+def _assert_own_hosts(results: dict[str, dict[str, Any]], hosts: dict[str, Any]) -> None:
+    """Each role process saw its host's hostname from inside, in UTS and network namespaces of its own."""
+    for role, r in results.items():
+        assert r["hostname"] == hosts[role].hostname != socket.gethostname(), (role, r["hostname"])
+    for key, ns in (("uts_ns", "uts"), ("net_ns", "net")):
+        seen = {r[key] for r in results.values()}
+        assert len(seen) == len(results) and os.readlink(f"/proc/self/ns/{ns}") not in seen, (ns, seen)
+
+
 @pytest.mark.timeout(60)
 def test_network_is_built_and_torn_down_even_when_the_body_fails() -> None:
     names: list[str] = []
@@ -50,6 +60,10 @@ def test_network_is_built_and_torn_down_even_when_the_body_fails() -> None:
         names = [*network.namespaces.values(), *network.veths]
         assert a.address == "198.18.0.1" and b.address == "198.18.0.2" and c.address == "198.18.1.2"
         assert [addr for _, addr in a.interfaces] == ["198.18.0.1", "198.18.1.1"]
+        assert network.host("a", via="c").ifname == a.interfaces[1][0] != a.ifname
+        assert network.host("a", via="c").address == "198.18.1.1" and network.host("a", via="b") == a
+        with pytest.raises(ValueError, match="no link"):
+            network.host("b", via="c")
         assert len({a.hostname, b.hostname, c.hostname}) == 3
         # b reaches a over the veth (refused: nothing listens, but the SYN got there), c cannot reach the a-b net
         assert netns.connect_error(b, a.address, 9) == "ConnectionRefusedError"
@@ -64,11 +78,16 @@ def test_network_is_built_and_torn_down_even_when_the_body_fails() -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_transfers_between_two_hosts_use_net_ifname_only(net: netns.Network, backend: str) -> None:
+@pytest.mark.parametrize("iface", ["first", "second"])
+def test_transfers_between_two_hosts_use_net_ifname_only(net: netns.Network, backend: str, iface: str) -> None:
+    """``first``: the receiver (host a) uses its first interface, towards b. ``second``: NET_IFNAME names a's
+    second interface, towards c, and the peer is c; a build that binds the first non-loopback interface
+    instead of NET_IFNAME passes ``first`` but fails here (c has no route to a's first interface)."""
     _need(backend)
-    hosts = _hosts(net)
+    peer, third = ("b", "c") if iface == "first" else ("c", "b")
+    hosts = {"receiver": net.host("a", via=peer), "sender": net.host(peer)}
     cfg = {"backend": backend, "num_blocks": 48, "n_seqs": 3, "seed": 21, "order": "NHD",
-           "hosts": hosts, "third": net.host("c"), "options": {"timeout": 20.0}}
+           "hosts": hosts, "third": net.host(third), "options": {"timeout": 20.0}}
     rx, tx = run_pair("kvtransport.testing.twohost.bound_receiver", "kvtransport.testing.twohost.bound_sender",
                       cfg, timeout=100, hosts=hosts)
     assert rx["problems"] == []
@@ -85,9 +104,15 @@ def test_transfers_between_two_hosts_use_net_ifname_only(net: netns.Network, bac
         assert len(report["listeners"]) >= 2, report
         assert {addr for addr, _ in report["listeners"]} == {host.address}, f"{role} listens beyond NET_IFNAME: {report}"
         assert report["probes"] and set(report["probes"].values()) == {"ConnectionRefusedError"}, report["probes"]
-    # the receiver's other interface (towards c) was tried for every listener too
-    assert sum("from host c" in k for k in rx["binding"]["probes"]) == len(rx["binding"]["listeners"])
+    # the receiver's other interface (towards the third host) was tried for every listener too
+    assert sum(f"from host {third}" in k for k in rx["binding"]["probes"]) == len(rx["binding"]["listeners"])
     assert ifname_a != ifname_b
+    # the case tells NET_IFNAME from "the first interface that is not loopback" (as the role sees them)
+    a_first, a_second = (i for i, _ in hosts["receiver"].interfaces)
+    assert rx["binding"]["first_interface"] == a_first
+    assert ifname_a == (a_first if iface == "first" else a_second)
+    assert hosts["receiver"].address == ("198.18.0.1" if iface == "first" else "198.18.1.1")
+    _assert_own_hosts({"receiver": rx["binding"], "sender": tx["binding"]}, hosts)
 
 
 @pytest.mark.timeout(150)
@@ -116,6 +141,17 @@ def test_partition_mid_stream_ends_every_wait_in_bound_and_recovers(net: netns.N
     assert rx["slots_after_release"] == cfg["pre"] and rx["slots_in_use"] == 0, (rx, tx)  # pre-* held until verified
     assert tx["outbound_after_disconnect"] == 0
     assert rx["inbound_peers"] == 1 and tx["outbound_peers"] == 1, (rx, tx)
+    # the receiver counts one failure per lost link that had sequences in flight: the old link, once, exactly
+    # when the cut failed a sequence it was waiting for (PeerDisconnected). ucx is one-sided: the receiver
+    # takes no part in the data path, so nothing breaks on its side during the cut (keepalive needs ~25 s)
+    # and every wait times out; nccl's receiver runs gloo recvs, and one in progress at the cut times out.
+    # Nothing is counted after the heal: the old link ends with no sequence in flight.
+    lost = any(r["error"] == "PeerDisconnected" for w in rx["waits"].values() for r in (w, w["layer0"]))
+    if backend == "ucx":
+        assert not lost, rx["waits"]
+    assert rx["failures_before_heal"] == (1 if lost else 0), (rx["failures_before_heal"], rx["waits"])
+    assert rx["failures"] == rx["failures_before_heal"], rx
+    _assert_own_hosts({"receiver": rx, "sender": tx}, hosts)
     # recovered: a new connect over the healed link, and its transfers verify byte for byte
     assert rx["problems"] == []
     assert tx["paths"] == [tx["path"]] and "slow path" in tx["path"]

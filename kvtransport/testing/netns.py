@@ -266,12 +266,18 @@ class Network:
         self.links[frozenset((a, b))] = ends
         return names
 
-    def host(self, name: str) -> Host:
-        """The host ``name``; NET_IFNAME is its first link's interface."""
+    def host(self, name: str, *, via: str | None = None) -> Host:
+        """The host ``name``; NET_IFNAME is its first link's interface, or with ``via`` the interface of its
+        link to host ``via`` (e.g. ``a``'s second interface, towards ``c``). Raises ValueError without one."""
         ifaces = self._ifaces[name]
         if not ifaces:
             raise ValueError(f"host {name!r} has no link")
         ifname, addr = ifaces[0]
+        if via is not None:
+            ends = self.links.get(frozenset((name, via)))
+            if ends is None or via == name:
+                raise ValueError(f"no link between hosts {name!r} and {via!r}")
+            ifname, addr = next((i, ad) for h, i, ad in ends if h == name)
         return Host(name, self.namespaces[name], f"{PREFIX}-host-{name}-{self.tag}", ifname, addr, tuple(ifaces))
 
     def set_link(self, a: str, b: str, *, up: bool) -> None:

@@ -3,17 +3,21 @@ as role pairs for :func:`kvtransport.testing.harness.run_pair` with ``hosts=``.
 
 * ``bound_*``: fragmented vLLM-shaped transfers over NET_IFNAME's interface, verified byte for byte; while
   the link is up, each side lists its listening sockets and tries to reach each of them from loopback and,
-  for the receiver, from a third host over the receiver's other interface (both must fail).
+  for the receiver, from ``cfg["third"]``, the host behind the receiver's other interface (both must fail).
+  The receiver's NET_IFNAME may be its first interface (peer b, third c) or its second (peer c, third b):
+  only the second tells NET_IFNAME apart from "the first interface that is not loopback".
 * ``partition_*``: a stream of requests; the link goes down in the middle (the parent does it at the
   ``partition`` barrier); every wait and flush must end within its bound with a typed error and nothing may
   leak; the link comes back (``heal`` barrier), a new ``connect`` works and new transfers verify.
 
-Each role returns plain data; the test asserts. The roles need root (they run inside namespaces anyway).
+Each role returns plain data, with :func:`whoami` (hostname and namespaces as the role process sees them);
+the test asserts. The roles need root (they run inside namespaces anyway).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import Any
 
@@ -46,6 +50,15 @@ def mismatches(received: HostCache, sent: HostCache, plan: dict[int, list[tuple[
     return bad
 
 
+def whoami() -> dict[str, Any]:
+    """Where this process runs, as it sees it: hostname, its UTS and network namespaces (``/proc/self/ns``
+    links, which the test compares with its own), and the first non-loopback interface of its network
+    namespace (what a build ignoring NET_IFNAME would likely take)."""
+    names = [n for _, n in sorted(socket.if_nameindex()) if n != "lo"]
+    return {"hostname": socket.gethostname(), "uts_ns": os.readlink("/proc/self/ns/uts"),
+            "net_ns": os.readlink("/proc/self/ns/net"), "first_interface": names[0] if names else None}
+
+
 def _binding_report(cfg: dict[str, Any], role: str) -> dict[str, Any]:
     """This process's listening sockets, and what a connection to each of them from elsewhere gets."""
     ifname = os.environ.get("NET_IFNAME", "")
@@ -58,7 +71,7 @@ def _binding_report(cfg: dict[str, Any], role: str) -> dict[str, Any]:
             if other_if != ifname and "third" in cfg:  # our other interface, from the host behind it
                 third: Host = cfg["third"]
                 probes[f"{other_addr}:{port} from host {third.name}"] = connect_error(third, other_addr, port)
-    return {"ifname": ifname, "address": mine.address, "listeners": listeners, "probes": probes}
+    return {"ifname": ifname, "address": mine.address, "listeners": listeners, "probes": probes, **whoami()}
 
 
 # ============================================================== scenario: bound to NET_IFNAME
@@ -137,7 +150,7 @@ def partition_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
     cache = HostCache(spec)
     plans = _partition_plan(cfg)
     bound = cfg["wait_timeout"]
-    out: dict[str, Any] = {"waits": {}}
+    out: dict[str, Any] = {"waits": {}, **whoami()}
     with _open(cfg, cache.layout, capacity=len(plans)) as cm:
         link.publish(cm.metadata())
         for seq in (s for s in plans if s.startswith("pre-")):
@@ -147,7 +160,8 @@ def partition_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
             out["waits"][seq] = _timed(cm.wait, seq, timeout=bound)
             out["waits"][seq]["layer0"] = _timed(cm.wait_layer, seq, 0, timeout=bound)
             cm.release(seq)
-        out["slots_after_release"] = cm.stats()["slots_in_use"]
+        stats = cm.stats()
+        out.update(slots_after_release=stats["slots_in_use"], failures_before_heal=stats["failures"])
         link.barrier("heal")  # the parent brings the link back up before releasing us
         for seq in (s for s in plans if s.startswith("re-")):
             cm.wait(seq, timeout=WAIT)
@@ -173,7 +187,7 @@ def partition_sender(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
     cache = HostCache(spec, fill_seed=cfg["seed"])
     plans = _partition_plan(cfg)
     bound = cfg["flush_timeout"]
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = whoami()
     meta = link.peer_metadata()
 
     def push(cm: Any, peer: Any, prefix: str) -> None:
