@@ -59,6 +59,7 @@ src dlpack "${DLPACK_SRC:-}" https://github.com/dmlc/dlpack "$DLPACK_COMMIT"
 rm -rf "$S"/c[0-9]*
 mkdir -p "$S/c1" "$S/c6"
 cp "$S"/src/*.tar.gz "$S"/wheels/gpu/*.whl "$S/c1/"
+git rev-parse HEAD > "$S/c1/COMMIT" 2>/dev/null || echo unknown > "$S/c1/COMMIT"  # the code the run measures
 cp "$S"/wheels/nixl/*.whl "$S/c6/"
 tmp=$(mktemp -d)
 tar -C "$S" --exclude='vllm-0.24.0-*.whl' -cf "$tmp/stream.tar" wheels/vllm vllm-slim.tar.xz

@@ -12,8 +12,10 @@
 #               then the GPU conformance suites of mscclpp and ucx and the mscclpp/ucx demos on cuda:0;
 #   B  (c2-c5)  installs vLLM 0.24.0 and its dependencies, imports the connector on it;
 #   C  (A, B)   the GPU end-to-end suites (tests/integration, -m gpu: P/D and faults, mscclpp and ucx) while
-#               the serving benchmark's instances start; the benchmark measures once the e2e suites are done
-#               (benchmarks/serving.py; c6 brings NIXL for its NixlConnector baseline).
+#               the serving benchmark's instances start; the benchmark measures once the e2e suites and the
+#               conformance suites are done (benchmarks/serving.py; c6 brings NIXL for its NixlConnector
+#               baseline), then benchmarks/proxy_overhead.py measures the proxy's own cost on this host.
+# The commit measured is read from .stage/c1/COMMIT (written by gpu_stage.sh) into machine.txt.
 # `bash scripts/gpu_vllm.sh job NAME` re-runs one step in the background (conformance, e2e, serving).
 set -uo pipefail
 W=/tmp/kvt-gpu
@@ -41,7 +43,8 @@ stage_a() {  # install, build MSCCL++, conformance + demos
   $PIP --target /tmp/site "$W"/pieces/c1/*.whl >"$R/install-a.log" 2>&1
   $PY -m pip install -q --no-index --no-build-isolation --no-deps -e . -e backends/nccl -e backends/ucx \
     -e backends/mscclpp >>"$R/install-a.log" 2>&1 || { status "A: FAILED installing kvtransport"; return 1; }
-  { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvcc --version | tail -1
+  { date -u; echo "commit $(cat "$W/pieces/c1/COMMIT" 2>/dev/null || echo unknown)"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvcc --version | tail -1
     g++ --version | head -1; $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
   } >"$R/machine.txt" 2>&1
   status "A: building MSCCL++ (IB off, the system gcc for C, C++ and as nvcc's host compiler)"
@@ -81,6 +84,7 @@ job_conformance() {
     done >"$R/demo-$b.txt"
     status "A: demo $b: $(grep -cE '^verified' "$R/demo-$b.txt") verified runs of 2"
   done
+  touch "$W/conf.done"
 }
 
 stage_b() {  # vLLM 0.24.0 + deps
@@ -121,12 +125,15 @@ job_serving() {
   mscclpp_env
   wait_for "$W/pieces/c6.done"
   $PIP --target /tmp/site "$W"/pieces/c6/*.whl >"$R/install-c.log" 2>&1
-  status "C: serving benchmark: instances start (measures after the e2e suites)"
+  status "C: serving benchmark: instances start (measures after the e2e and conformance suites)"
   rm -rf "$R/serving"
-  timeout 1500 $PY benchmarks/serving.py run --model "$W/llama8b" --out "$R/serving" --wait-for "$W/e2e.done" \
+  ( wait_for "$W/e2e.done"; wait_for "$W/conf.done"; touch "$W/quiet" ) &
+  timeout 1500 $PY benchmarks/serving.py run --model "$W/llama8b" --out "$R/serving" --wait-for "$W/quiet" \
     ${SERVING_CONFIGS:+--configs $SERVING_CONFIGS} >"$R/serving.txt" 2>&1
   $PY benchmarks/serving.py report "$R/serving/serving.json" --out "$R/serving" >>"$R/serving.txt" 2>&1
   status "C: serving benchmark done"
+  timeout 120 $PY benchmarks/proxy_overhead.py --requests 300 >"$R/proxy-overhead.json" 2>"$R/proxy-overhead.log"
+  status "C: proxy overhead: $(grep proxy_cost "$R/proxy-overhead.json")"
 }
 
 master() {

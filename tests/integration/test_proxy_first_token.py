@@ -236,6 +236,20 @@ def test_a_first_token_that_ends_the_answer_cancels_the_decode() -> None:
     run(fake, scenario, served=True)
 
 
+def test_a_client_that_leaves_after_the_first_token_ends_the_decode_leg() -> None:
+    fake = Fake()
+
+    async def scenario(client: Any) -> None:
+        body = {"model": "tiny", "prompt": "w1 w2", "max_tokens": 5, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            first = await asyncio.wait_for(anext(r.aiter_lines()), 10)
+            assert json.loads(first[6:])["choices"][0]["text"] == " w7"
+        # the client closed its connection while the decode had not answered yet
+        await asyncio.wait_for(fake.decode_closed.wait(), 10)
+
+    run(fake, scenario, served=True)
+
+
 def test_one_token_goes_to_the_prefill_alone() -> None:
     fake = Fake()
 

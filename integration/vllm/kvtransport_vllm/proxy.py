@@ -318,7 +318,11 @@ class Proxy:
                 resp = await decode_task
                 await resp.aclose()  # closing the stream aborts the decode request
 
-        presp = await prefill_task
+        try:
+            presp = await prefill_task
+        except BaseException:  # the client went away: so does the decode leg
+            await cancel_decode()
+            raise
         trace.event("proxy.prefill_done", xfer)
         first = first_choice(presp)
         if first is None:  # the prefill failed: the decode takes the failure path; relay its answer
@@ -329,37 +333,38 @@ class Proxy:
             return _relay_as_is(resp)
         finished = first.get("finish_reason") == "stop"
         if not body.get("stream"):
-            if finished:
-                await cancel_decode()
+            try:
+                if finished:
+                    trace.event("proxy.first_out", xfer)
+                    presp.pop("kv_transfer_params", None)
+                    return JSONResponse(presp)
+                resp = await decode_response()
+                if resp is None:
+                    return JSONResponse({"error": f"decode instance {d.url} failed"}, status_code=502)
+                raw = await resp.aread()
+                trace.event("proxy.decode_first", xfer)
                 trace.event("proxy.first_out", xfer)
-                presp.pop("kv_transfer_params", None)
-                return JSONResponse(presp)
-            resp = await decode_response()
-            if resp is None:
-                return JSONResponse({"error": f"decode instance {d.url} failed"}, status_code=502)
-            raw = await resp.aread()
-            await resp.aclose()
-            trace.event("proxy.decode_first", xfer)
-            trace.event("proxy.first_out", xfer)
-            if resp.status_code != 200:
-                return Response(raw, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
-            return JSONResponse(merge_response(presp, json.loads(raw), chat))
+                if resp.status_code != 200:
+                    return Response(raw, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+                return JSONResponse(merge_response(presp, json.loads(raw), chat))
+            finally:
+                await cancel_decode()  # closes the decode's stream whatever happened (idempotent)
 
         async def stream() -> AsyncIterator[bytes]:
-            yield sse(first_chunk(presp, chat, finished=finished))
-            trace.event("proxy.first_out", xfer)
-            if finished:
-                await cancel_decode()
-                if (body.get("stream_options") or {}).get("include_usage"):
-                    yield sse(usage_chunk(presp, chat))
-                yield b"data: [DONE]\n\n"
-                return
-            resp = await decode_response()
-            if resp is None:
-                yield sse({"error": {"message": f"decode instance {d.url} failed", "code": 502}})
-                yield b"data: [DONE]\n\n"
-                return
             try:
+                yield sse(first_chunk(presp, chat, finished=finished))
+                trace.event("proxy.first_out", xfer)
+                if finished:
+                    await cancel_decode()
+                    if (body.get("stream_options") or {}).get("include_usage"):
+                        yield sse(usage_chunk(presp, chat))
+                    yield b"data: [DONE]\n\n"
+                    return
+                resp = await decode_response()
+                if resp is None:
+                    yield sse({"error": {"message": f"decode instance {d.url} failed", "code": 502}})
+                    yield b"data: [DONE]\n\n"
+                    return
                 seen = False
                 async for event in sse_events(resp.aiter_raw()):
                     if not seen:
@@ -369,7 +374,7 @@ class Proxy:
                     if out is not None:
                         yield out
             finally:
-                await resp.aclose()
+                await cancel_decode()  # the client may have gone: the decode leg ends with the stream
 
         return StreamingResponse(stream(), status_code=200, media_type="text/event-stream")
 
