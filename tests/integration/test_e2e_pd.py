@@ -376,6 +376,8 @@ def check_disaggregated(cluster: dict[str, Any], proxy_url: str, seed: int, pref
         "prefill_whole": delta(p1, p0, "vllm:kvtransport_transfers_whole_total"),
         "puts_received": delta(d1, d0, "vllm:kvtransport_puts_received_total"),
         "first_tokens_received": delta(d1, d0, "vllm:kvtransport_first_tokens_received_total"),
+        "held_count": delta(d1, d0, "vllm:kvtransport_transfer_seconds_count"),
+        "held_seconds": delta(d1, d0, "vllm:kvtransport_transfer_seconds_sum"),
     }
     sent1 = [metrics(p.url) for p in prefills]
     summary["prefill_bytes_sent"] = sum(delta(a, b, "vllm:kvtransport_bytes_sent_total") for a, b in zip(sent1, sent0, strict=True))
@@ -393,6 +395,8 @@ def check_disaggregated(cluster: dict[str, Any], proxy_url: str, seed: int, pref
     assert summary["puts_received"] == summary["prefill_puts"] > 0, summary
     assert summary["recv_failures"] == 0, summary
     assert summary["received"] == n_dec, summary  # one transfer per decode request (n=2: one per child)
+    # how long each decode request's blocks were held until its KV landed: one observation per request
+    assert summary["held_count"] == n_dec and 0 < summary["held_seconds"] < n_dec * 120, summary
     # no leaked blocks on either side: every block is back in the pool once the transfers are done
     deadline = time.monotonic() + 30
     while True:
