@@ -9,7 +9,9 @@ A receiver must stay reachable whatever arrives at its port. So, before a peer h
 * a connection may announce a first message (HELLO) of at most ``max_hello_bytes``, buffers only what it
   actually sent, and must complete it within ``preauth_timeout``; at most ``max_pending`` connections wait at
   once (the oldest goes first when more come) and together they may buffer ``max_pending_bytes`` (the
-  largest goes first);
+  largest goes first). A message is received into anonymous memory of its own (``mmap``, grown as bytes
+  arrive) that goes back to the system the moment its connection is done with: after a flood the
+  receiver's memory is what it was before, whatever the allocator keeps;
 * the complete message goes to ``on_hello`` on this thread; it returns ``True`` when it took the connection
   (its owner starts a handshake thread), ``False`` when it is busy (the connection waits, bounded by its
   deadline, and is offered again), or closes it itself and returns ``None``.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import collections
 import errno
 import logging
+import mmap
 import selectors
 import socket
 import threading
@@ -41,6 +44,8 @@ MAX_PENDING = 256
 MAX_PENDING_BYTES = 64 << 20
 """Bytes all connections in their handshake may hold together; past it the largest is dropped."""
 READ_CHUNK = 256 << 10
+BODY_START = 16 << 10
+"""A message's buffer starts this large (or at its length if smaller) and doubles as its bytes arrive."""
 ACCEPT_BACKOFF_S = (0.001, 1.0)
 """A failed accept pauses accepting this long, doubling per consecutive failure up to the second value."""
 
@@ -80,7 +85,14 @@ class PendingHello:
     payload: bytes
     """The message without its header."""
     leftover: bytes = b""
-    """Bytes that arrived after the message (they belong to the connection's next ones)."""
+    """Bytes that arrived after the message (they belong to the connection's next ones; none so far: the
+    admission never reads beyond the first message)."""
+
+
+def _anonymous(size: int) -> mmap.mmap:
+    """``size`` bytes of private anonymous memory (private: a shared anonymous map that grows by ``resize``
+    faults with SIGBUS past its first size)."""
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 @dataclass(eq=False)
@@ -90,17 +102,65 @@ class _Conn:
     nonce: bytes
     accepted: float
     deadline: float
-    need: int
-    buf: bytearray = field(default_factory=bytearray)
-    header_done: bool = False
+    head: bytearray = field(default_factory=bytearray)
+    """The message's header as it arrives."""
+    length: int = -1
+    """The message's length without its header, once the header is complete."""
+    body: mmap.mmap | None = None
+    """``body[:got]``: the message's bytes received so far (anonymous memory, see the module docstring)."""
+    got: int = 0
+
+    @property
+    def held(self) -> int:
+        """Bytes received and held (what ``max_pending_bytes`` counts)."""
+        return len(self.head) + self.got
+
+    def read_body(self, chunk: int) -> int:
+        """Receive up to ``chunk`` more bytes of the message (growing ``body`` first when it is full); 0 at
+        EOF. Raises what ``recv_into`` and ``mmap`` raise (BlockingIOError when nothing is there)."""
+        if self.body is None or self.got == len(self.body):
+            self.body = self._grown(min(self.length, max(BODY_START, 2 * self.got)))
+        with memoryview(self.body) as view:
+            n = self.sock.recv_into(view[self.got :], min(chunk, len(view) - self.got))
+        self.got += n
+        return n
+
+    def _grown(self, size: int) -> mmap.mmap:
+        """``body`` grown to ``size`` bytes (a new one when there is none), its first ``got`` bytes kept."""
+        if self.body is None:
+            return _anonymous(size)
+        try:
+            self.body.resize(size)  # (mremap: the pages move, nothing is copied)
+            return self.body
+        except (OSError, SystemError, ValueError, TypeError):  # no mremap here: a new map and a copy
+            body = _anonymous(size)
+            body[: self.got] = self.body[: self.got]
+            self.body.close()
+            return body
+
+    def release(self) -> None:
+        """Give the buffers back (the body's memory to the system at once). Idempotent."""
+        if self.body is not None:
+            self.body.close()
+            self.body = None
+        self.head = bytearray()
+        self.got = 0
 
 
 @dataclass
 class AdmissionStats:
+    """Counters of one Admission. Each is bumped after the state change it counts (an observer that sees the
+    count also sees the change: the connection gone, or the new one pending)."""
+
     accepted: int = 0
     handed_off: int = 0
+    """Connections whose first message ``on_hello`` took."""
     dropped_slow: int = 0
+    """Past their deadline (``preauth_timeout``) before ``on_hello`` took them."""
     dropped_crowded: int = 0
+    """The oldest, when one more than ``max_pending`` waited."""
+    dropped_over_budget: int = 0
+    """The largest, when all together buffered more than ``max_pending_bytes``."""
     dropped_bad: int = 0
     accept_errors: int = 0
 
@@ -201,8 +261,8 @@ class Admission:
             self._sel.register(self.server, selectors.EVENT_READ, None)
             self._accepting = True
         for conn in [c for c in self._pending.values() if c.deadline <= now]:
-            self.stats.dropped_slow += 1
             self._drop(conn)
+            self.stats.dropped_slow += 1
         self._offer_ready(now)
 
     def _accept_some(self) -> None:
@@ -238,77 +298,84 @@ class Admission:
         self.stats.accepted += 1
         while len(self._pending) + len(self._ready) >= self.max_pending:  # crowded: the oldest goes
             oldest = min(list(self._pending.values()) + [c for c, _ in self._ready], key=lambda c: c.accepted)
-            self.stats.dropped_crowded += 1
             self._ready = collections.deque(item for item in self._ready if item[0] is not oldest)
             self._drop(oldest)
+            self.stats.dropped_crowded += 1
         now = time.monotonic()
         nonce, challenge = self.greet()
-        conn = _Conn(raw, label, nonce, now, now + self.preauth_timeout, self.header_size)
+        conn = _Conn(raw, label, nonce, now, now + self.preauth_timeout)
         try:
             raw.setblocking(False)
             if raw.family in (socket.AF_INET, socket.AF_INET6):
                 raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if raw.send(challenge) != len(challenge):  # a fresh socket's buffer takes it whole
-                raise OSError("short send")
             self._sel.register(raw, selectors.EVENT_READ, conn)
         except OSError:
             raw.close()
             return
-        self._pending[raw.fileno()] = conn
+        self._pending[raw.fileno()] = conn  # pending before the peer hears from us: who got the challenge sees it
+        try:
+            if raw.send(challenge) != len(challenge):  # a fresh socket's buffer takes it whole
+                raise OSError("short send")
+        except OSError:
+            self._drop(conn)
 
     def _read(self, conn: _Conn) -> None:
         try:
-            data = conn.sock.recv(min(READ_CHUNK, max(1, conn.need - len(conn.buf))))
+            if conn.length < 0:  # the header
+                data = conn.sock.recv(self.header_size - len(conn.head))
+                conn.head += data
+                n = len(data)
+            else:
+                n = conn.read_body(READ_CHUNK)
         except (BlockingIOError, InterruptedError):
             return
-        except OSError:
-            data = b""
-        if not data:
+        except OSError:  # the socket failed, or no memory for the body
+            n = 0
+        if not n:
             self._drop(conn)
             return
-        conn.buf += data
-        self._buffered += len(data)
-        if not conn.header_done and len(conn.buf) >= self.header_size:
+        self._buffered += n
+        if conn.length < 0 and len(conn.head) == self.header_size:
             try:
-                length = self.message_length(bytes(conn.buf[: self.header_size]))
+                length = self.message_length(bytes(conn.head))
             except Exception as exc:  # the caller's protocol refuses the header
                 self._bad(conn, str(exc))
                 return
-            if length > self.max_hello_bytes:
+            if not 0 <= length <= self.max_hello_bytes:
                 self._bad(conn, f"a first message of {length} bytes announced (at most {self.max_hello_bytes} "
                                 "before the handshake)")
                 return
-            conn.header_done = True
-            conn.need = self.header_size + length
-        if len(conn.buf) >= conn.need:
+            conn.length = length
+        if conn.got == conn.length:
             self._complete(conn)
         elif self._buffered > self.max_pending_bytes:
-            largest = max(self._pending.values(), key=lambda c: len(c.buf))
-            self.stats.dropped_crowded += 1
+            largest = max(self._pending.values(), key=lambda c: c.held)
             self._drop(largest)
+            self.stats.dropped_over_budget += 1
 
     def _bad(self, conn: _Conn, why: str) -> None:
+        self._drop(conn)
         self.stats.dropped_bad += 1
         self.logs.log(logging.INFO, "bad", "kvtransport: side-channel connection from %s dropped: %s", conn.label, why)
-        self._drop(conn)
 
     def _complete(self, conn: _Conn) -> None:
         self._sel.unregister(conn.sock)
-        del self._pending[conn.sock.fileno()]
-        self._buffered -= len(conn.buf)
-        data = bytes(conn.buf)
-        conn.buf = bytearray()
-        hello = PendingHello(conn.sock, conn.label, conn.nonce, data[self.header_size : conn.need], data[conn.need :])
-        self._ready.append((conn, hello))
+        payload = conn.body[: conn.got] if conn.body is not None else b""
+        self._ready.append((conn, PendingHello(conn.sock, conn.label, conn.nonce, payload)))
+        del self._pending[conn.sock.fileno()]  # (after: ``pending`` never misses it)
+        self._buffered -= conn.held
+        conn.release()
         self._offer_ready(time.monotonic())
 
     def _offer_ready(self, now: float) -> None:
-        keep: collections.deque[tuple[_Conn, PendingHello]] = collections.deque()
-        while self._ready:
-            conn, hello = self._ready.popleft()
+        """Offer each ready connection to ``on_hello`` once, oldest first. A connection stays in ``_ready``
+        (counted in ``pending``) until it is taken or dropped; those the owner is too busy for stay, in order."""
+        for _ in range(len(self._ready)):
+            conn, hello = self._ready[0]
             if conn.deadline <= now:
-                self.stats.dropped_slow += 1
+                self._ready.popleft()
                 self._drop(conn)
+                self.stats.dropped_slow += 1
                 continue
             try:
                 taken = self.on_hello(hello)
@@ -318,21 +385,22 @@ class Admission:
                 taken = None
                 self._drop(conn)
             if taken is False:
-                keep.append((conn, hello))
-            elif taken:
+                self._ready.rotate(-1)  # to the back, in one step: the count never changes
+                continue
+            self._ready.popleft()
+            if taken:
                 self.stats.handed_off += 1
-        self._ready = keep
 
     def _drop(self, conn: _Conn) -> None:
         fd = conn.sock.fileno()
         if fd >= 0 and self._pending.get(fd) is conn:
             del self._pending[fd]
-            self._buffered -= len(conn.buf)
+            self._buffered -= conn.held
             try:
                 self._sel.unregister(conn.sock)
             except (KeyError, ValueError):
                 pass
-        conn.buf = bytearray()
+        conn.release()
         try:
             conn.sock.close()
         except OSError:

@@ -94,8 +94,8 @@ class FramedSocket:
         lands) and returns (the bytes that must be on the wire — ``data``, possibly with more frames after
         it — and how many of them it wrote); the rest is sent here. Same errors as :meth:`send`; whatever
         ``write`` raises propagates, with nothing sent by this method."""
-        with self._send_lock:
-            try:
+        try:
+            with self._send_lock:
                 full, n = write(self.sock.fileno(), data) if write is not None else (data, 0)
                 if n >= len(full):
                     return
@@ -107,9 +107,9 @@ class FramedSocket:
                     ) from None
                 except OSError as exc:
                     raise PeerDisconnected(f"side channel to {self.peer_label} broke: {exc}") from None
-            finally:
-                if self._closed:  # close() left the descriptor to us (see there)
-                    self.sock.close()
+        finally:
+            if self._closed:  # close() may have left the descriptor to us (see there)
+                self._release_descriptor()
 
     def readable(self, timeout: float) -> bool:
         """Whether a byte is buffered or arrives within ``timeout`` seconds (then ``recv`` will not wait long)."""
@@ -187,14 +187,21 @@ class FramedSocket:
         """Shut the socket down (wakes a thread blocked in ``recv``; sends fail). Idempotent, never blocks.
 
         The descriptor is released at once unless a send is in progress — it may be writing from C with
-        the descriptor's number in hand, which must not be reused meanwhile: that send releases it."""
+        the descriptor's number in hand, which must not be reused meanwhile: that send releases it. The shutdown
+        comes first, before ``_closed`` tells a send to release the descriptor: a recv blocked on a descriptor
+        that was closed is not woken (nor does the peer see the end of the stream) — only a shutdown does that."""
         if self._closed:
             return
-        self._closed = True
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        self._closed = True
+        self._release_descriptor()
+
+    def _release_descriptor(self) -> None:
+        """Close the descriptor unless a send holds it (then that send does, once it let go of the lock: it
+        sees ``_closed``, which was set before this attempt)."""
         if self._send_lock.acquire(blocking=False):
             try:
                 self.sock.close()

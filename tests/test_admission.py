@@ -4,6 +4,7 @@ transient accept errors, crowding, oversized or slow first messages, a busy owne
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import struct
 import threading
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvtransport.admission import Admission, PendingHello, RateLimitedLog
+from kvtransport.admission import BODY_START, READ_CHUNK, Admission, PendingHello, RateLimitedLog
 
 HEADER = struct.Struct("!I")
 
@@ -47,12 +48,34 @@ def test_a_complete_message_is_handed_over_and_nothing_after_it_is_taken() -> No
         s.sendall(HEADER.pack(5) + b"hel")
         time.sleep(0.05)
         s.sendall(b"loNEXT")  # the rest of the message and the start of the next
-        wait_for(lambda: got)
+        wait_for(lambda: adm.stats.handed_off == 1)  # (bumped once on_hello returned: ``got`` is filled)
         assert (got[0].payload, got[0].nonce) == (b"hello", b"n" * 16)
         got[0].sock.setblocking(True)
         got[0].sock.settimeout(2)  # never read beyond the message: what follows stays for its next reader
         assert got[0].leftover + got[0].sock.recv(16) == b"NEXT"
         assert adm.pending == 0 and adm.stats.handed_off == 1
+        got[0].sock.close()
+        s.close()
+    finally:
+        adm.close()
+        server.close()
+
+
+@pytest.mark.parametrize("length", [0, 1, BODY_START - 1, BODY_START, BODY_START + 1, 3 * READ_CHUNK + 5])
+def test_a_message_of_any_length_arrives_whole_through_its_growing_buffer(length: int) -> None:
+    """The body's buffer starts at BODY_START and doubles as bytes arrive (in pieces here); the message is
+    handed over byte for byte, and once it is, the admission holds no byte of it."""
+    got: list[PendingHello] = []
+    adm, server = make(lambda h: got.append(h) or True, max_hello_bytes=4 * READ_CHUNK)
+    try:
+        s = dial(server)
+        data = HEADER.pack(length) + os.urandom(length)
+        for i in range(0, len(data), 100_003):
+            s.sendall(data[i : i + 100_003])
+            time.sleep(0.01)
+        wait_for(lambda: adm.stats.handed_off == 1)
+        assert got[0].payload == data[HEADER.size :] and got[0].leftover == b""
+        assert (adm.pending, adm._buffered) == (0, 0)
         got[0].sock.close()
         s.close()
     finally:
@@ -89,19 +112,33 @@ def test_accept_errors_pause_accepting_and_it_resumes(monkeypatch: pytest.Monkey
         server.close()
 
 
+def closed_by_peer(s: socket.socket) -> bool:
+    """Whether the admission closed ``s`` (EOF within 2 s; the challenge was read already)."""
+    s.settimeout(2)
+    return s.recv(16) == b""
+
+
 def test_crowding_drops_the_oldest_and_a_byte_budget_drops_the_largest() -> None:
+    """Deterministic: a connection is pending (and the one it crowded out dropped and counted) before its
+    challenge leaves, and a drop is counted after it happened; so what ``dial`` and the counters show is
+    the state itself, not a moment in between."""
     adm, server = make(lambda h: True, max_pending=4, max_pending_bytes=1000)
     try:
         socks = [dial(server) for _ in range(6)]  # two beyond max_pending: the two oldest go
-        wait_for(lambda: adm.stats.dropped_crowded == 2)
-        assert adm.pending == 4
+        assert (adm.stats.dropped_crowded, adm.pending) == (2, 4)
+        assert closed_by_peer(socks[0]) and closed_by_peer(socks[1])
         socks[5].sendall(HEADER.pack(900) + b"x" * 600)
-        socks[4].sendall(HEADER.pack(900) + b"y" * 500)  # 1,100 buffered: the largest (600) goes
-        wait_for(lambda: adm.stats.dropped_crowded == 3)
-        assert adm.pending == 3
+        socks[4].sendall(HEADER.pack(900) + b"y" * 500)  # 1,108 buffered: the largest (socks[5]) goes
+        wait_for(lambda: adm.stats.dropped_over_budget == 1)
+        assert (adm.stats.dropped_crowded, adm.pending) == (2, 3)
+        assert closed_by_peer(socks[5])
+        socks[4].settimeout(0.2)
+        with pytest.raises(TimeoutError):  # the smaller one still waits for the rest of its message
+            socks[4].recv(16)
         for s in socks:
             s.close()
         wait_for(lambda: adm.pending == 0)
+        assert adm.stats.dropped_over_budget == 1 and adm.stats.dropped_crowded == 2
     finally:
         adm.close()
         server.close()

@@ -1,6 +1,7 @@
 """KV_TRANSPORT_SECRET proves both ends: a sender with a secret refuses a receiver without one (its metadata is
 not sealed, and it cannot answer the sender's nonce), a receiver with one refuses a sender without it, and a
-captured handshake replayed later is refused on either side."""
+captured handshake replayed later is refused on either side. Over the in-process reference backend and the
+real ucx and nccl (gloo) backends, sender and receiver in this process."""
 
 from __future__ import annotations
 
@@ -12,39 +13,72 @@ from typing import Any
 import pytest
 
 import kvtransport as kt
-from kvtransport import wire
+from kvtransport import registry, wire
 from kvtransport.sidechannel import FramedSocket
 from kvtransport.testing.cache import CacheSpec, HostCache
 
 SPEC = CacheSpec(num_layers=2, num_blocks=8, heads=2, block_size=4, head_dim=8, order="NHD")
+BACKENDS = ["inproc"] + [
+    pytest.param(b, marks=pytest.mark.skipif(not registry.probe(b).ok, reason=f"{b}: {registry.probe(b).reason}"))
+    for b in ("ucx", "nccl")]
 
 
-def _open(secret: str | None = None) -> kt.CommManager:
-    return kt.open(HostCache(SPEC).layout, backend="inproc", secret=secret, timeout=5)
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
-def test_a_sender_with_a_secret_refuses_a_receiver_without_one() -> None:
-    with _open() as open_receiver, _open("s3cret") as sender:
+def _open(backend: str, secret: str | None = None) -> kt.CommManager:
+    return kt.open(HostCache(SPEC).layout, backend=backend, secret=secret, timeout=5)
+
+
+def test_a_sender_with_a_secret_refuses_a_receiver_without_one(backend: str) -> None:
+    with _open(backend) as open_receiver, _open(backend, "s3cret") as sender:
         with pytest.raises(kt.ProtocolError, match="not sealed with our KV_TRANSPORT_SECRET"):
             sender.connect(open_receiver.metadata())
         assert open_receiver._admission.stats.accepted == 0  # refused before any connection
 
 
-def test_a_receiver_with_a_secret_refuses_a_sender_without_it() -> None:
-    with _open("s3cret") as receiver, _open() as sender:
+def test_a_receiver_with_a_secret_refuses_a_sender_without_it(backend: str) -> None:
+    with _open(backend, "s3cret") as receiver, _open(backend) as sender:
         with pytest.raises(kt.ProtocolError, match="authentication failed"):
             sender.connect(receiver.metadata())
         assert receiver.stats()["refused_peers"] == 1 and receiver.inbound_peers() == []
 
 
-def test_sealed_metadata_that_was_altered_is_refused() -> None:
-    with _open("s3cret") as receiver, _open("s3cret") as sender:
+def test_sealed_metadata_that_was_altered_is_refused(backend: str) -> None:
+    with _open(backend, "s3cret") as receiver, _open(backend, "s3cret") as sender:
         meta = bytearray(receiver.metadata())
         i = meta.index(b'"capacity":') + len(b'"capacity":')
         meta[i] = ord("9")  # 1024 -> 9024
         with pytest.raises(kt.ProtocolError, match="altered"):
             sender.connect(bytes(meta))
         sender.connect(receiver.metadata())  # the genuine one still works
+
+
+def test_sealed_metadata_whose_backend_part_was_altered_never_reaches_the_backend(
+        backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend's part of sealed metadata (``transport``: a ucx worker address, nccl's process-group kind)
+    altered under the original seal: refused as altered before the sender's backend sees any of it."""
+    with _open(backend, "s3cret") as receiver, _open(backend, "s3cret") as sender:
+        genuine = receiver.metadata()
+        tag = genuine.rpartition(b"\0")[2]
+        fields = wire.decode_metadata(genuine, b"s3cret")
+        fields["transport"] = {**fields["transport"], "altered": True}
+        forged = wire.encode_metadata(fields) + b"\0" + tag
+        dialed: list[Any] = []
+        real_dial = sender.transport.dial
+
+        def spy_dial(info: Any) -> Any:
+            dialed.append(info)
+            return real_dial(info)
+
+        monkeypatch.setattr(sender.transport, "dial", spy_dial)
+        with pytest.raises(kt.ProtocolError, match="altered"):
+            sender.connect(forged)
+        assert dialed == [] and receiver._admission.stats.accepted == 0
+        sender.connect(genuine)  # the genuine one still works
+        assert len(dialed) == 1
 
 
 def _record(monkeypatch: pytest.MonkeyPatch, what: str) -> list[bytes]:
@@ -68,10 +102,10 @@ def _record(monkeypatch: pytest.MonkeyPatch, what: str) -> list[bytes]:
     return seen
 
 
-def test_a_replayed_hello_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_replayed_hello_is_refused(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """An eavesdropper that captured a sender's HELLO cannot replay it: the receiver's CHALLENGE nonce is
     fresh for every connection, and the HELLO's HMAC covers it."""
-    with _open("s3cret") as receiver, _open("s3cret") as sender:
+    with _open(backend, "s3cret") as receiver, _open(backend, "s3cret") as sender:
         hellos = _record(monkeypatch, "HELLO")
         sender.connect(receiver.metadata())
         assert hellos
@@ -86,13 +120,13 @@ def test_a_replayed_hello_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         assert receiver.stats()["refused_peers"] == 1 and len(receiver.inbound_peers()) == 1
 
 
-def test_a_replayed_welcome_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_replayed_welcome_is_refused(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A fake receiver that replays a genuine receiver's WELCOME (on the genuine one's address, after it went
     away) does not fool a sender: the WELCOME must prove the secret over the sender's own fresh nonce."""
-    receiver = _open("s3cret")
+    receiver = _open(backend, "s3cret")
     meta = receiver.metadata()
     info = wire.decode_metadata(meta)
-    with _open("s3cret") as sender:
+    with _open(backend, "s3cret") as sender:
         welcomes = _record(monkeypatch, "WELCOME")
         sender.connect(meta)
         assert welcomes  # (sent and received in this process: the same frame twice)

@@ -4,13 +4,22 @@
 * ``shortage_*``: the receiver runs out of file descriptors (a real RLIMIT_NOFILE, exhausted by a flood
   of plain TCP connections) and, afterwards, cannot start a thread for its first connections; then a real
   sender connects and its transfer must verify.
-* ``flood_*``: hundreds of unauthenticated connections announce large HELLOs, send part of them and
-  stall; the receiver's memory and threads are sampled before, during and after, and a legitimate sender
-  (with the secret) is served during the flood.
+* ``flood_*``: after a warm-up link and a baseline taken before the first stranger, hundreds of
+  unauthenticated connections announce large HELLOs, send part of them (80 MiB in all first: past the
+  pre-handshake byte budget) and stall, and keep coming; a legitimate sender (with the secret) is served
+  in rounds, each after more than MAX_PENDING further strangers, over a new link and its link of the round
+  before. The receiver's peak RSS, threads and admission counters are reported for during and after.
+* ``owner_*``: another connected sender tries to complete, cancel, impersonate and crowd out a legitimate
+  one's sequences.
+* per-peer bounds: ``checksums_*`` (debug checksums that wait for signals, MAX_PENDING_CHECKSUMS),
+  ``nacks_*`` (a hostile receiver's made-up NACKs, MAX_FAILED_RECORDS), ``inbound_*`` (senders served at
+  once, MAX_INBOUND).
 """
 
 from __future__ import annotations
 
+import collections
+import gc
 import os
 import resource
 import socket
@@ -20,6 +29,7 @@ from typing import Any
 
 from kvtransport import open as kv_open
 from kvtransport import wire
+from kvtransport.admission import MAX_PENDING_BYTES
 
 from .cache import CacheSpec, HostCache, verify_transfer
 from .harness import RoleLink
@@ -128,57 +138,275 @@ def shortage_sender(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 # ============================================================== flood
+OLD_PAIRS = [(4, 10), (5, 11)]
+"""Blocks a legitimate sender writes over the link it opened in the round before (FLOOD: served over both)."""
+
+
+def _round_plan(k: int) -> dict[int, list[tuple[int, int]]]:
+    """What the receiver holds after flood round ``k``: PAIRS over the new link, OLD_PAIRS over the old one."""
+    pairs = PAIRS + (OLD_PAIRS if k > 0 else [])
+    return {layer: pairs for layer in range(SPEC.num_layers)}
+
+
+def _kvt_threads() -> list[str]:
+    return [n for n in _py_threads() if n.startswith("kvt-")]
+
+
+def _reset_peak_rss() -> bool:
+    """Start a new VmHWM (peak RSS) window (Linux: ``5`` to /proc/self/clear_refs). False when unavailable."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class _Sampler:
+    """Samples the receiver's RSS, OS threads and ``kvt-`` threads every ``interval`` s on a thread of its
+    own (started before the baseline, so that the baseline counts it); keeps the largest values seen."""
+
+    def __init__(self, interval: float = 0.01) -> None:
+        self.interval = interval
+        self.max_rss = 0.0
+        self.max_threads = 0
+        self.extra_kvt: set[str] = set()
+        self.max_extra_kvt = 0
+        self._base: set[str] = set()
+        self._on = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="flood-sampler", daemon=True)
+        self._thread.start()
+
+    def watch(self, baseline_kvt: list[str]) -> None:
+        """From now on, record the largest values and the ``kvt-`` threads beyond ``baseline_kvt``."""
+        self._base = set(baseline_kvt)
+        self._on.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            if not self._on.is_set():
+                continue
+            self.max_rss = max(self.max_rss, _rss_mib())
+            self.max_threads = max(self.max_threads, _os_threads())
+            extra = [n for n in _kvt_threads() if n not in self._base]
+            self.extra_kvt.update(extra)
+            self.max_extra_kvt = max(self.max_extra_kvt, len(extra))
+
+
+def _settle(cm: Any, want_kvt: list[str], until: Any = None, timeout: float = 15.0) -> bool:
+    """Wait (bounded) until ``cm`` serves no sender, holds no connection in its handshake, its ``kvt-``
+    threads are ``want_kvt`` again and ``until()`` (if given) holds. Returns whether it got there."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (not cm.inbound_peers() and cm._admission.pending == 0 and _kvt_threads() == want_kvt
+                and (until is None or until())):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _admission_stats(cm: Any) -> dict[str, int]:
+    return dict(vars(cm._admission.stats))
+
+
 def flood_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Serves a warm-up link, takes the baseline (no flood yet), then, while strangers keep flooding it, one
+    link per round from the legitimate sender (and that sender's link of the round before); reports the
+    baseline, the largest values during the flood, each round, and the state once the flood is over."""
     dst = HostCache(SPEC)
+    sampler = _Sampler()
+    out: dict[str, Any] = {"rounds": []}
     with kv_open(dst.layout, backend=cfg["backend"], secret=cfg["secret"], timeout=10) as cm:
-        samples = {}
         link.publish(cm.metadata())
-        time.sleep(0.5)
-        samples["baseline"] = (_rss_mib(), _os_threads())
-        names = {"baseline": _py_threads()}
-        link.barrier("flooding")
-        time.sleep(0.5)
-        samples["flooding"] = (_rss_mib(), _os_threads())
-        names["flooding"] = _py_threads()
-        link.barrier("sampled")
-        link.barrier("legit-sent")
-        cm.wait("legit", timeout=30)
-        samples["served"] = (_rss_mib(), _os_threads())
-        link.barrier("flood-closed")
-        time.sleep(cfg["settle_s"])
-        samples["after"] = (_rss_mib(), _os_threads())
-        problems = verify_transfer(dst, HostCache(SPEC, fill_seed=7), _plan())
-        admission = getattr(cm, "_admission", None)
-        return {"samples": samples, "names": names, "problems": problems,
-                "pending_after": admission.pending if admission else -1,
-                "dropped_crowded": admission.stats.dropped_crowded if admission else -1}
+        cm.wait("warm", timeout=30)  # libraries, allocator pools and backend threads exist before the baseline
+        cm.release("warm")
+        out["warm_threads"] = _os_threads()  # the warm-up link still up: what one link costs
+        out["warm_kvt"] = _kvt_threads()
+        link.barrier("warm-sampled")
+        link.barrier("warm-closed")
+        idle_kvt = [n for n in _kvt_threads() if not n.startswith("kvt-in-")]
+        out["settled_before"] = _settle(cm, idle_kvt)
+        gc.collect()
+        time.sleep(0.2)
+        out["baseline"] = {"rss": _rss_mib(), "threads": _os_threads(), "kvt": _kvt_threads(),
+                           "admission": _admission_stats(cm)}
+        out["peak_reset"] = _reset_peak_rss()
+        sampler.watch(out["baseline"]["kvt"])
+        link.barrier("baseline")  # only now does the flood start
+        link.barrier("bigs-sent")
+        dropped = cfg["bigs"] - MAX_PENDING_BYTES // (cfg["big"] + wire.FRAME_HEADER.size)  # once all are read
+        deadline = time.monotonic() + 60
+        while cm._admission.stats.dropped_over_budget < dropped and time.monotonic() < deadline:
+            time.sleep(0.01)
+        out["at_budget"] = {"rss": _rss_mib(), "admission": _admission_stats(cm), "pending": cm._admission.pending}
+        link.barrier("budget-reached")
+        for k in range(cfg["rounds"]):
+            seqs = [f"legit-{k}"] + ([f"legit-{k}-old"] if k else [])
+            for seq in seqs:
+                cm.wait(seq, timeout=30)
+                cm.release(seq)
+            out["rounds"].append({
+                "problems": verify_transfer(dst, HostCache(SPEC, fill_seed=100 + k), _round_plan(k)),
+                "threads": _os_threads(), "kvt": _kvt_threads(), "inbound": len(cm.inbound_peers()),
+                "admission": _admission_stats(cm)})
+            link.barrier(f"round-{k}")
+        counts = link.recv_value()  # the flood is over: the sender closed every connection and its managers
+        base_threads = out["baseline"]["threads"]
+        out["settled_after"] = _settle(cm, out["baseline"]["kvt"], lambda: (
+            cm._admission.stats.accepted == counts["connections"] and _os_threads() <= base_threads))
+        gc.collect()
+        time.sleep(0.2)
+        out["after"] = {"rss": _rss_mib(), "threads": _os_threads(), "kvt": _kvt_threads(),
+                        "admission": _admission_stats(cm), "pending": cm._admission.pending}
+        sampler.stop()
+        out["flood_peak_rss"] = _peak_rss_mib() if out["peak_reset"] else sampler.max_rss
+        out["flood_max_threads"] = sampler.max_threads
+        out["flood_extra_kvt"] = sorted(sampler.extra_kvt)
+        out["flood_max_extra_kvt"] = sampler.max_extra_kvt
+    return out
+
+
+class _Flood:
+    """Strangers on a thread of their own: one connection after another (``pace`` s apart), each announcing a
+    HELLO of ``announce`` bytes, sending a part of it and stalling: ``big`` bytes for each of the first
+    ``bigs``, ``small`` bytes for the others, which wait for ``resume()``. The newest ``keep`` stay open (the
+    receiver holds fewer: the older ones it dropped already). ``connected`` counts the connections made."""
+
+    def __init__(self, addr: tuple[str, int], cfg: dict[str, Any]) -> None:
+        header = wire.FRAME_HEADER.pack(wire.FRAME_MAGIC, wire.FRAME_VERSION, int(wire.FrameType.HELLO), 0,
+                                        cfg["announce"])
+        self.big, self.small = header + b"\0" * cfg["big"], header + b"\0" * cfg["small"]
+        self.bigs = cfg["bigs"]
+        self.addr, self.pace, self.keep = addr, cfg["pace"], cfg["keep"]
+        self.connected = 0
+        self.short = 0  # connections whose bytes did not all go out (the receiver had dropped them)
+        self.failed = 0
+        self._resume = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="flood", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_for(self, connected: int, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.connected < connected:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"the flood made {self.connected} of {connected} connections")
+            time.sleep(0.005)
+
+    def resume(self) -> None:
+        self._resume.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._resume.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        window: collections.deque[socket.socket] = collections.deque()
+        try:
+            while not self._stop.is_set():
+                if self.connected == self.bigs:
+                    self._resume.wait()  # (stop() sets it too)
+                    if self._stop.is_set():
+                        break
+                try:
+                    s = socket.create_connection(self.addr, timeout=5)
+                except OSError:
+                    self.failed += 1
+                    continue
+                window.append(s)
+                self.connected += 1
+                try:
+                    s.sendall(self.big if self.connected <= self.bigs else self.small)
+                except OSError:
+                    self.short += 1
+                while len(window) > self.keep:
+                    window.popleft().close()
+                self._stop.wait(self.pace)
+        finally:
+            for s in window:
+                s.close()
+
+
+def _refill(cache: HostCache, seed: int) -> None:
+    """New contents for every block of ``cache`` (each round sends bytes of its own)."""
+    cache.backing[:] = HostCache(cache.spec, fill_seed=seed).backing
 
 
 def flood_sender(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The legitimate sender (with the secret; a manager of its own per link, since a receiver takes one link
+    per sender instance) and, on a thread of this process, the strangers. Round ``k`` starts once more than
+    MAX_PENDING strangers connected since the previous round's connection (every stranger that was pending
+    then has been crowded out since): a new connection pushes PAIRS (seed 100 + k), and the previous round's
+    link, opened before those strangers, pushes OLD_PAIRS."""
     meta = link.peer_metadata()
-    info = wire.decode_metadata(meta)
-    announce = wire.FRAME_HEADER.pack(wire.FRAME_MAGIC, wire.FRAME_VERSION, int(wire.FrameType.HELLO), 0,
-                                      cfg["announce"])
-    flood = []
-    for _ in range(cfg["flood"]):
-        try:
-            s = socket.create_connection((info["host"], info["port"]), timeout=5)
-            s.sendall(announce + b"\0" * cfg["send"])  # a header announcing a large HELLO, a part of it, then silence
-            flood.append(s)
-        except OSError:
-            continue
-    link.barrier("flooding")
-    link.barrier("sampled")
+    info = wire.decode_metadata(meta, cfg["secret"].encode())
     src = HostCache(SPEC, fill_seed=7)
-    t0 = time.monotonic()
-    with kv_open(src.layout, backend=cfg["backend"], secret=cfg["secret"], timeout=10) as cm:
-        out = _push(cm, meta, "legit", attempts=1)
-        out["legit_s"] = round(time.monotonic() - t0, 2)
-        link.barrier("legit-sent")
-        for s in flood:
-            s.close()
-        link.barrier("flood-closed")
-    out["flood"] = len(flood)
+    out: dict[str, Any] = {"rounds": []}
+
+    def sender() -> Any:
+        return kv_open(src.layout, backend=cfg["backend"], secret=cfg["secret"], timeout=10)
+
+    def push(cm: Any, peer: Any, seq: str, pairs: list[tuple[int, int]]) -> None:
+        cm.put_layers(peer, seq, None, [s for s, _ in pairs], [d for _, d in pairs])
+        cm.signal(peer, seq)
+        cm.flush(peer, timeout=20)
+
+    with sender() as cm:
+        push(cm, cm.connect(meta), "warm", PAIRS)
+        link.barrier("warm-sampled")
+    link.barrier("warm-closed")
+    link.barrier("baseline")
+    flood = _Flood((info["host"], info["port"]), cfg)
+    flood.start()
+    old: tuple[Any, Any] | None = None
+    try:
+        flood.wait_for(cfg["bigs"])
+        link.barrier("bigs-sent")
+        link.barrier("budget-reached")  # the receiver read them (and dropped some: its byte budget held)
+        flood.resume()
+        for k in range(cfg["rounds"]):
+            flood.wait_for((out["rounds"][-1]["strangers_before"] if k else 0) + cfg["between"])
+            _refill(src, 100 + k)  # (every earlier put was flushed)
+            cm = sender()
+            before = flood.connected
+            t0 = time.monotonic()
+            try:
+                peer = cm.connect(meta, timeout=10)  # one attempt: a refusal fails the round
+            except BaseException:
+                cm.close()
+                raise
+            connect_s, during = time.monotonic() - t0, flood.connected - before
+            push(cm, peer, f"legit-{k}", PAIRS)
+            if old is not None:
+                push(*old, f"legit-{k}-old", OLD_PAIRS)
+            out["rounds"].append({"strangers_before": before, "strangers_during_connect": during,
+                                  "connect_s": round(connect_s, 3), "served_s": round(time.monotonic() - t0, 3)})
+            link.barrier(f"round-{k}")
+            if old is not None:
+                old[0].close()
+            old = (cm, peer)
+    finally:
+        flood.stop()
+        if old is not None:
+            old[0].close()
+    out.update(connected=flood.connected, short=flood.short, failed=flood.failed)
+    link.send_value({"connections": flood.connected + cfg["rounds"] + 1})  # strangers, rounds, warm-up
     return out
 
 
@@ -282,4 +510,204 @@ def owner_senders(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
         legit.signal(lp, "e")
         legit.flush(lp, timeout=10)
         link.barrier("legit-done")
+    return out
+
+
+# ============================================================== per-peer bounds
+def _inbound_of(cm: Any, instance: str, timeout: float = 20.0) -> Any:
+    """The receiver's ``_Inbound`` serving sender ``instance`` (waits, bounded, for its handshake to end)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with cm._lock:
+            found = [ib for ib in cm._inbound.values() if ib.peer == instance]
+        if found:
+            return found[0]
+        time.sleep(0.01)
+    raise RuntimeError(f"sender {instance} never connected")
+
+
+def _until(pred: Any, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _error_of(fn: Any, *args: Any) -> str:
+    """The name of what ``fn(*args)`` raised ("" when it returned)."""
+    try:
+        fn(*args)
+    except Exception as exc:
+        return type(exc).__name__
+    return ""
+
+
+CHECKSUM_SEQS = 64
+"""The checksum hog spreads its puts over this many sequences (each within one sender's share of slots)."""
+
+
+def checksums_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Debug checksums on, MAX_PENDING_CHECKSUMS set to ``cfg["bound"]`` (read at each CHECKSUM frame). A
+    sender puts without ever signalling until that many checksums wait here (its link must stay up), then one
+    more (its link must drop); then another sender is served."""
+    from kvtransport import manager
+
+    manager.MAX_PENDING_CHECKSUMS = bound = cfg["bound"]
+    dst = HostCache(SPEC)
+    out: dict[str, Any] = {}
+    with kv_open(dst.layout, backend=cfg["backend"], checksum=True, timeout=10) as cm:
+        link.publish(cm.metadata())
+        hog = link.recv_value()
+        ib = _inbound_of(cm, hog)
+        link.barrier("at-bound")  # the hog's puts and checksums were flushed: they reach us in order
+        out["reached"] = _until(lambda: ib._pending_checksums >= bound)
+        time.sleep(0.2)  # (nothing more is on its way)
+        out["held_at_bound"] = ib._pending_checksums
+        out["sequences_at_bound"] = len(ib._checksums)
+        out["up_at_bound"] = hog in cm.inbound_peers()
+        link.barrier("checked")
+        link.barrier("one-more")
+        out["dropped"] = _until(lambda: hog not in cm.inbound_peers())
+        link.barrier("dropped")
+        cm.wait("fine", timeout=30)
+        hog_pairs = [(j, 8 + j) for j in range(8)]  # what the hog wrote (its checksums never mattered)
+        out["problems"] = verify_transfer(dst, HostCache(SPEC, fill_seed=7),
+                                          {layer: PAIRS + hog_pairs for layer in range(SPEC.num_layers)})
+    return out
+
+
+def checksums_sender(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
+    meta = link.peer_metadata()
+    src = HostCache(SPEC, fill_seed=7)
+    out: dict[str, Any] = {}
+    with kv_open(src.layout, backend=cfg["backend"], checksum=True, timeout=10) as hog:
+        link.send_value(hog.instance)
+        peer = hog.connect(meta)
+        for i in range(cfg["bound"]):  # one checksum each (one layer), none ever signalled
+            j = i // SPEC.num_layers % 8
+            hog.put_layer(peer, f"never-{i % CHECKSUM_SEQS}", i % SPEC.num_layers, [j], [8 + j])
+        hog.flush(peer, timeout=60)
+        link.barrier("at-bound")
+        link.barrier("checked")
+        hog.put_layer(peer, "never-0", 0, [0], [8])  # the one past the bound
+        link.barrier("one-more")
+        deadline, out["after"] = time.monotonic() + 20, ""
+        while not out["after"] and time.monotonic() < deadline:  # the link drops: the next call says so
+            out["after"] = _error_of(hog.put_layer, peer, "never-1", 0, [0], [8]) or _error_of(
+                lambda: hog.flush(peer, timeout=0.2))
+            time.sleep(0.02)
+        link.barrier("dropped")
+    with kv_open(src.layout, backend=cfg["backend"], checksum=True, timeout=10) as other:
+        peer = other.connect(meta)
+        other.put_layers(peer, "fine", None, [s for s, _ in PAIRS], [d for _, d in PAIRS])
+        other.signal(peer, "fine")
+        other.flush(peer, timeout=20)
+    return out
+
+
+NACKS_BEYOND = 1000
+"""How many made-up NACKs past the sender's bound (MAX_FAILED_RECORDS) a hostile receiver sends."""
+
+
+def nacks_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Hostile: sends its sender ``cfg["bound"]`` + NACKS_BEYOND NACKs for sequences nobody used, then serves
+    it normally."""
+    from kvtransport.errors import SlotsExhausted
+    from kvtransport.wire import FrameType
+
+    dst = HostCache(SPEC)
+    with kv_open(dst.layout, backend=cfg["backend"], timeout=10) as cm:
+        link.publish(cm.metadata())
+        ib = _inbound_of(cm, link.recv_value())
+        n = cfg["bound"] + NACKS_BEYOND
+        for start in range(0, n, 4096):
+            ib.conn.send_many([(FrameType.NACK, wire.encode_error(f"made-up-{i}", SlotsExhausted("made up")))
+                               for i in range(start, min(n, start + 4096))])
+        link.barrier("nacked")
+        cm.wait("after", timeout=30)
+        return {"sent": n, "problems": verify_transfer(dst, HostCache(SPEC, fill_seed=7), _plan())}
+
+
+def nacks_sender(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
+    """MAX_FAILED_RECORDS set to ``cfg["bound"]`` (read at each NACK). Counts the NACKs as they arrive, then
+    reports how many failure records its link holds and which made-up sequences still raise; then transfers
+    over the same link."""
+    from kvtransport import manager
+
+    manager.MAX_FAILED_RECORDS = cfg["bound"]
+    meta = link.peer_metadata()
+    src = HostCache(SPEC, fill_seed=7)
+    n = cfg["bound"] + NACKS_BEYOND
+    with kv_open(src.layout, backend=cfg["backend"], timeout=10) as cm:
+        peer = cm.connect(meta)
+        link.send_value(cm.instance)
+        link.barrier("nacked")
+        out: dict[str, Any] = {"all_arrived": _until(lambda: cm.stats()["failures"] >= n, timeout=60)}
+        out["failures"] = cm.stats()["failures"]
+        out["records"] = len(peer._state._failed)
+        out["oldest_kept"] = _error_of(cm.signal, peer, f"made-up-{NACKS_BEYOND}")
+        out["newest"] = _error_of(cm.signal, peer, f"made-up-{n - 1}")
+        out["forgotten"] = _error_of(cm.signal, peer, f"made-up-{NACKS_BEYOND - 1}")
+        cm.put_layers(peer, "after", None, [s for s, _ in PAIRS], [d for _, d in PAIRS])
+        cm.signal(peer, "after")
+        cm.flush(peer, timeout=20)
+    return out
+
+
+def inbound_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Serves at most ``cfg["max_inbound"]`` senders at once (MAX_INBOUND, lowered for the test: it is read
+    at each handshake); reports how many it served when one more came, and after one left."""
+    from kvtransport import manager
+
+    manager.MAX_INBOUND = cfg["max_inbound"]
+    dst = HostCache(SPEC)
+    out: dict[str, Any] = {}
+    with kv_open(dst.layout, backend=cfg["backend"], timeout=10) as cm:
+        link.publish(cm.metadata())
+        link.barrier("full")  # the sender linked max_inbound managers, and one more tried
+        _until(lambda: len(cm.inbound_peers()) >= cfg["max_inbound"])  # (our side of the last link completes)
+        out["inbound_full"] = len(cm.inbound_peers())
+        with cm._lock:  # (for a failure's message: each link's state)
+            out["links_full"] = [(ib.peer, ib.closed) for ib in cm._inbound.values()]
+        out["handed_off_full"] = cm._admission.stats.handed_off  # (the one more was refused before that)
+        link.barrier("counted-full")
+        link.barrier("one-left")
+        out["made_room"] = _until(lambda: len(cm.inbound_peers()) == cfg["max_inbound"] - 1)
+        link.barrier("room")
+        cm.wait("after", timeout=30)
+        out["inbound_end"] = len(cm.inbound_peers())
+        link.barrier("counted")
+        out["problems"] = verify_transfer(dst, HostCache(SPEC, fill_seed=7), _plan())
+    return out
+
+
+def inbound_senders(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
+    meta = link.peer_metadata()
+    src = HostCache(SPEC, fill_seed=7)
+    out: dict[str, Any] = {}
+    cms = [kv_open(src.layout, backend=cfg["backend"], timeout=10) for _ in range(cfg["max_inbound"] + 1)]
+    try:
+        peers = [cm.connect(meta) for cm in cms[:-1]]
+        extra = None
+        try:
+            extra = cms[-1].connect(meta)
+            out["one_more"] = "connected"
+        except Exception as exc:
+            out["one_more"] = f"{type(exc).__name__}: {exc}"
+        link.barrier("full")
+        link.barrier("counted-full")
+        cms[0].close()
+        link.barrier("one-left")
+        link.barrier("room")
+        peer = extra or cms[-1].connect(meta)  # the room one left
+        cms[-1].put_layers(peer, "after", None, [s for s, _ in PAIRS], [d for _, d in PAIRS])
+        cms[-1].signal(peer, "after")
+        cms[-1].flush(peer, timeout=20)
+        link.barrier("counted")
+        out["served"] = len(peers)
+    finally:
+        for cm in cms:
+            cm.close()
     return out

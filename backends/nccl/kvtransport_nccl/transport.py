@@ -13,13 +13,15 @@ from __future__ import annotations
 import collections
 import ctypes
 import datetime
+import ipaddress
 import logging
 import os
+import re
 import secrets
 import socket
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -41,7 +43,6 @@ from kvtransport.errors import (
     ConfigurationError,
     IncompatiblePeer,
     PeerDisconnected,
-    TransferError,
     TransferTimeout,
 )
 from kvtransport.layout import KVLayout, LayerRegion
@@ -53,6 +54,11 @@ log = logging.getLogger("kvtransport.nccl")
 KNOBS = {"NCCL_SOCKET_IFNAME": "{ifname}", "GLOO_SOCKET_IFNAME": "{ifname}"}
 _knobs_set: dict[str, str] = {}  # the knobs this process's open() calls wrote, and their values
 _knobs_lock = threading.Lock()
+MAX_HOST_CHARS = 253
+"""The longest store host a link request may name (a DNS name's limit)."""
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+_PREFIX = re.compile(r"[0-9a-f]{8,64}")
+"""A link's store prefix: hex digits, as a dialer makes them (``secrets.token_hex(4)``), with room to grow."""
 
 
 def _apply_interface_knobs(settings: Settings) -> None:
@@ -162,7 +168,7 @@ class TorchTransport(Transport):
         return _TorchDialer(self)
 
     def answer(self, peer: PeerInfo, request: JSONDict) -> Answer:
-        return _TorchAnswer(self, request)
+        return _TorchAnswer(self, *link_request(request))
 
     # ------------------------------------------------------------------ process groups
     def make_group(self, store: Any, rank: int, timeout: float) -> Any:
@@ -230,17 +236,43 @@ def _store_server(address: str, timeout: float) -> Any:
         raise PeerDisconnected(f"cannot start the rendezvous store on {address}:{port}: {exc}") from None
 
 
+def _is_host(host: object) -> TypeGuard[str]:
+    """An IP literal, or a hostname of at most MAX_HOST_CHARS characters in RFC 1123 labels."""
+    if not isinstance(host, str) or not 0 < len(host) <= MAX_HOST_CHARS:
+        return False
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    return all(_HOST_LABEL.fullmatch(label) for label in host.removesuffix(".").split("."))
+
+
+def link_request(request: JSONDict) -> tuple[str, int, str]:
+    """The rendezvous (store host, store port, prefix) a sender's link request names, checked before any of it
+    reaches torch.distributed: the host an IP literal or a hostname (``_is_host``), the port an int in
+    1..65535, the prefix 8..64 lowercase hex digits. Raises IncompatiblePeer otherwise (the receiver refuses
+    the handshake before its WELCOME; nothing connects anywhere)."""
+    host, port, prefix = request.get("store_host"), request.get("store_port"), request.get("prefix")
+    if not _is_host(host):
+        raise IncompatiblePeer(f"malformed nccl link request: store_host {str(host)[:80]!r} is not an IP address or "
+                               f"a hostname of at most {MAX_HOST_CHARS} characters")
+    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+        raise IncompatiblePeer(f"malformed nccl link request: store_port {str(port)[:80]!r} is not a port (1..65535)")
+    if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
+        raise IncompatiblePeer(f"malformed nccl link request: prefix {str(prefix)[:80]!r} is not 8..64 hex digits")
+    return host, port, prefix
+
+
 class _TorchAnswer(Answer):
-    def __init__(self, tr: TorchTransport, request: JSONDict) -> None:
+    def __init__(self, tr: TorchTransport, host: str, port: int, prefix: str) -> None:
+        """``host``, ``port``, ``prefix``: the sender's rendezvous, checked by :func:`link_request`."""
         self.tr = tr
-        self.request = request
+        self.host, self.port, self.prefix = host, port, prefix
         self.reply: JSONDict = {}
 
     def complete(self, timeout: float) -> InboundLink:
-        try:
-            host, port, prefix = str(self.request["store_host"]), int(self.request["store_port"]), str(self.request["prefix"])
-        except (KeyError, TypeError, ValueError):
-            raise TransferError("malformed nccl link request") from None
+        host, port, prefix = self.host, self.port, self.prefix
         try:
             base = dist.TCPStore(host, port, 2, is_master=False, timeout=datetime.timedelta(seconds=timeout))
             pg = self.tr.make_group(dist.PrefixStore(prefix, base), 1, timeout)
