@@ -298,3 +298,49 @@ def test_a_held_receive_is_reported_only_once_released(pd) -> None:
     assert r.finished_recving == {"held", "gone", "dropped"} and r.failed_recving == {"gone"}
     assert torch.equal(dst["model.layers.0.self_attn.attn"][40], src["model.layers.0.self_attn.attn"][3])
     assert d.transfer_results().finished_recving == set()  # each reported once
+
+
+HOSTILE_PEER_CHILD = r"""
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from test_worker_connector import Push, StepPlan, vllm_like_cache, worker
+from kvtransport import wire
+src, dst = vllm_like_cache(1), vllm_like_cache(None)
+p, d = worker(src, backend="ucx"), worker(dst, backend="ucx", transfer_timeout=60)
+meta = wire.decode_metadata(d.handshake()["metadata"])
+bad = bytearray.fromhex(meta["transport"]["worker"])
+bad[0] = (bad[0] & 0xF0) | 0x7  # a header version libucp asserts on (it aborts the process unchecked)
+meta["transport"]["worker"] = bad.hex()
+p.bind(StepPlan(peers={"EVIL": {0: wire.encode_metadata(meta)}}, whole_pushes=[Push("p1", "s1", "EVIL", (1,), (2,))]))
+deadline = time.monotonic() + 30
+fails = []
+while not fails and time.monotonic() < deadline:
+    p.transfer_results()  # collects the pusher's failures for the scheduler
+    fails = p.take_send_failures()
+    time.sleep(0.05)
+print("FAILURES", [(f.seq, f.engine, f.reason.split(":")[0]) for f in fails])
+d.bind(StepPlan(recv_start={"s2": 60}))  # the process is alive and a genuine decode still gets its KV
+p.bind(StepPlan(peers={"D": {0: d.handshake()["metadata"]}}, whole_pushes=[Push("p2", "s2", "D", (3,), (4,))]))
+deadline = time.monotonic() + 30
+while "s2" not in d.transfer_results().finished_recving and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("STILL-WORKS", bool((dst["model.layers.0.self_attn.attn"][4] == src["model.layers.0.self_attn.attn"][3]).all()))
+p.shutdown(); d.shutdown()
+"""
+
+
+def test_hostile_ucx_metadata_from_the_side_channel_never_reaches_libucp() -> None:
+    """A decode's hello carries its workers' kvtransport metadata to the prefill, which hands it to ``connect``:
+    ucx metadata whose worker address has a header version libucp asserts on fails that destination's pushes
+    with IncompatiblePeer (reported to the scheduler) instead of aborting the prefill worker, which then serves
+    a genuine decode. (A child process: unchecked, libucp would abort it.)"""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("kvtransport_ucx", reason="the ucx backend is not installed")
+    proc = subprocess.run([sys.executable, "-c", HOSTILE_PEER_CHILD, str(Path(__file__).parent)], capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-3000:])
+    assert "FAILURES [('s1', 'EVIL', 'IncompatiblePeer')]" in proc.stdout, proc.stdout
+    assert "STILL-WORKS True" in proc.stdout, proc.stdout
