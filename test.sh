@@ -6,8 +6,11 @@ set -euo pipefail
 cd "$(dirname "$0")"
 bash scripts/setup.sh
 . .venv/bin/activate
-ruff check -q $(ls -d kvtransport backends tests benchmarks integration 2>/dev/null)
+ruff check -q $(ls -d kvtransport backends tests benchmarks integration scripts 2>/dev/null)
 mypy
+# every GB/s and % figure of README.md and docs/benchmarks.md comes from a committed log or JSON that its
+# section cites (derived figures: docs/figures-derived.toml)
+python scripts/check_figures.py
 # the backends this machine must be able to run (a broken install must fail here, not pass as skipped tests)
 kvtransport backends --require "${KVT_REQUIRED_BACKENDS:-ucx,nccl}" >/dev/null
 if [ "${SKIP_VLLM:-0}" != 1 ]; then

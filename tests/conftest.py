@@ -1,8 +1,28 @@
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("ci", derandomize=True, max_examples=200, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", max_examples=100, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# Mutation runs (scripts/mutation.sh, docs/mutation.md) cap every property test's examples, including those
+# with their own @settings(max_examples=...): a surviving mutant costs the full run of every test that covers
+# it, and the structured fuzz tests ask for up to 2,500 examples each. Deterministic (the ci profile).
+_MAX_EXAMPLES = int(os.environ.get("KVT_HYPOTHESIS_MAX_EXAMPLES", "0"))
+# left whole: test_the_layout_fuzzing_reached_accepted_layouts counts how many layouts this one saw accepted
+_UNCAPPED = {"test_layouts_from_the_wire_have_blocks_layers_and_non_negative_planes"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if _MAX_EXAMPLES <= 0:
+        return
+    for item in items:
+        test = getattr(item, "obj", None)
+        if getattr(test, "__name__", "") in _UNCAPPED:
+            continue
+        own = getattr(test, "_hypothesis_internal_use_settings", None)
+        if own is not None and own.max_examples > _MAX_EXAMPLES:
+            test._hypothesis_internal_use_settings = settings(own, max_examples=_MAX_EXAMPLES)  # type: ignore[union-attr]
