@@ -162,6 +162,8 @@ class AdmissionStats:
     dropped_over_budget: int = 0
     """The largest, when all together buffered more than ``max_pending_bytes``."""
     dropped_bad: int = 0
+    dropped_closed: int = 0
+    """Closed by the peer (or failed) before its first message was whole, our challenge unsent included."""
     accept_errors: int = 0
 
 
@@ -318,6 +320,7 @@ class Admission:
                 raise OSError("short send")
         except OSError:
             self._drop(conn)
+            self.stats.dropped_closed += 1
 
     def _read(self, conn: _Conn) -> None:
         try:
@@ -333,6 +336,7 @@ class Admission:
             n = 0
         if not n:
             self._drop(conn)
+            self.stats.dropped_closed += 1
             return
         self._buffered += n
         if conn.length < 0 and len(conn.head) == self.header_size:

@@ -170,6 +170,27 @@ def test_an_oversized_or_refused_header_and_a_slow_peer_are_dropped() -> None:
         server.close()
 
 
+def test_a_peer_that_closes_before_its_hello_is_counted_as_closed() -> None:
+    """Every accepted connection ends in exactly one counter: two strangers that hang up (one at once, one
+    half-way through its header) are ``dropped_closed``, not slow, bad or crowded."""
+    server = socket.create_server(("127.0.0.1", 0))
+    adm = Admission(server, greet=lambda: (b"n", b"HI"), header_size=4, message_length=lambda h: 10,
+                    on_hello=lambda h: True, preauth_timeout=30, max_hello_bytes=100)
+    adm.start()
+    try:
+        quiet, partial = dial(server), dial(server)
+        partial.sendall(b"\x00\x00")
+        wait_for(lambda: adm.stats.accepted == 2 and adm.pending == 2)
+        quiet.close()
+        partial.close()
+        wait_for(lambda: adm.pending == 0)
+        st = adm.stats
+        assert (st.dropped_closed, st.dropped_slow, st.dropped_bad, st.dropped_crowded, st.handed_off) == (2, 0, 0, 0, 0)
+    finally:
+        adm.close()
+        server.close()
+
+
 def test_a_busy_owner_gets_the_connection_again_until_its_deadline() -> None:
     busy = threading.Event()
     busy.set()
