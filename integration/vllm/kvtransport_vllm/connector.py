@@ -77,10 +77,23 @@ class KVTransportWorkerMeta(KVConnectorWorkerMetadata):
         return self
 
 
+PP_UNSUPPORTED = ("KVTransportConnector does not support pipeline parallelism (pipeline_parallel_size={pp}): "
+                  "run the prefill and decode instances with pipeline_parallel_size=1 (their tensor_parallel_size "
+                  "may differ)")
+
+
+def check_parallel(vllm_config: VllmConfig) -> None:
+    """Refuse what the connector cannot serve, at start-up, with our own message (ValueError)."""
+    pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+    if pp > 1:
+        raise ValueError(PP_UNSUPPORTED.format(pp=pp))
+
+
 def _compat_fields(vllm_config: VllmConfig, model_id: str | None) -> dict[str, Any]:
+    """What must be equal on both sides (hashed; a peer that differs is refused, told which fields differ). TP
+    size, block size and the head order may differ: the workers map them (:mod:`kvtransport.reshard`)."""
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
-    info: dict[str, Any] = {"connector": __version__, "block_size": cc.block_size,
-                            "cache_dtype": str(cc.cache_dtype), "tp_size": pc.tensor_parallel_size}
+    info: dict[str, Any] = {"connector": __version__, "cache_dtype": str(cc.cache_dtype)}
     if mc is not None:
         info.update(
             model=model_id or str(mc.model).rstrip("/").split("/")[-1],
@@ -109,6 +122,7 @@ class KVTransportConnector(KVConnectorBase_V1):
         self._sched: SchedulerSide | None = None
         self._worker: Any = None
         self._load_errors: set[int] = set()
+        check_parallel(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
             if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
                 raise ValueError("KVTransportConnector supports models with one KV cache group only")
@@ -128,8 +142,10 @@ class KVTransportConnector(KVConnectorBase_V1):
             except Exception:  # parallel state not initialised (unit tests)
                 rank = 0
             num_blocks = getattr(kv_cache_config, "num_blocks", None) or vllm_config.cache_config.num_gpu_blocks
+            mc = vllm_config.model_config
             self._worker = WorkerSide(settings=self.settings, engine_id=self.engine_id, tp_rank=rank,
-                                      num_blocks=num_blocks)
+                                      num_blocks=num_blocks, tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                                      num_kv_heads=mc.get_total_num_kv_heads() if mc is not None else None)
 
     # ------------------------------------------------------------------ class-level
     @classmethod

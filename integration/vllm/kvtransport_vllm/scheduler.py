@@ -65,6 +65,7 @@ class _Dst:
     blocks: list[int]
     offset: int
     pushed_upto: int = 0  # absolute prompt-block index below which layer-wise pushes are issued (full blocks)
+    pushed_tok: int = 0  # unlike peers: prompt tokens below this were pushed
     final_sent: bool = False
     cancelled: bool = False
 
@@ -185,6 +186,8 @@ class SchedulerSide:
         self.family_size: dict[str, int] = {}
         self.family_asked: dict[str, int] = {}
         self.peer_workers: dict[str, dict[int, bytes]] = {}
+        self.peer_geometry: dict[str, dict[str, Any]] = {}  # decode engine -> tp_size, block_size, kv_order
+        self.unmappable: dict[str, str] = {}  # decode engine -> why its KV cache cannot take ours
         self.holds: dict[str, tuple[float, set[str]]] = {}  # xfer -> (expiry, engines): renewed before registered
         self.counters: dict[str, int] = {"lease_expirations": 0, "decode_disconnects": 0, "dst_wait_timeouts": 0,
                                          "first_tokens_sent": 0, "first_tokens_received": 0}
@@ -223,6 +226,11 @@ class SchedulerSide:
     def compat_info(self) -> dict[str, Any]:
         info = dict(self._base_compat)
         w0 = self.worker_meta.get(0)
+        # a unit layout maps onto any other TP size, block size and head order; a block layout (no worker
+        # metadata yet, or caches not dense per layer) serves like-for-like peers only
+        info["kv_cache"] = ("units (TP size, block size and head order are mapped)" if (w0 or {}).get("kv_order")
+                            else f"blocks of tp_size {self.tp_size} and block_size {self.block_size} (like-for-like "
+                                 "peers only)")
         if w0 is not None:
             info["backend"] = w0.get("backend")
             info["layout_hash"] = w0.get("layout_hash")
@@ -234,6 +242,18 @@ class SchedulerSide:
         Thread-safe (read-only)."""
         return {str(r): str(m["instance"]) for r, m in self.worker_meta.items() if isinstance(m.get("instance"), str)}
 
+    def geometry(self) -> dict[str, Any]:
+        """What may differ between peers and is mapped (TP size, block size, head order); not hashed."""
+        w0 = self.worker_meta.get(0) or {}
+        return {"tp_size": self.tp_size, "block_size": self.block_size, "kv_order": w0.get("kv_order")}
+
+    def _unlike(self, engine: str) -> dict[str, Any] | None:
+        """Decode ``engine``'s geometry when it differs from ours (its KV is then mapped by token ranges)."""
+        geo = self.peer_geometry.get(engine)
+        if geo is None or geo == self.geometry():
+            return None
+        return geo
+
     def compat(self) -> tuple[str, dict[str, Any]]:
         """(hash, fields) both sides must agree on. Thread-safe (read-only)."""
         info = self.compat_info()
@@ -242,7 +262,7 @@ class SchedulerSide:
     def hello(self) -> dict[str, Any]:
         h, info = self.compat()
         return {"type": "hello", "version": PROTOCOL_VERSION, "engine_id": self.engine_id, "compat": h,
-                "compat_info": info, "tp_size": self.tp_size,
+                "compat_info": info, "tp_size": self.tp_size, "geometry": self.geometry(),
                 "workers": {str(r): b64(m["metadata"]) for r, m in self.worker_meta.items()}}
 
     def discovery_params(self) -> dict[str, Any]:
@@ -485,6 +505,8 @@ class SchedulerSide:
             plan.send_release, self._releases = self._releases, []
             for eng in self._new_peers:
                 plan.peers[eng] = self.peer_workers[eng]
+                if eng in self.peer_geometry:
+                    plan.peer_geometry[eng] = dict(self.peer_geometry[eng])
             self._new_peers.clear()
         if self.consumer:
             self._renew(now)
@@ -582,9 +604,7 @@ class SchedulerSide:
             if kind == "hello":
                 _, engine, hello = ev
                 workers = hello["workers"]  # rank -> metadata bytes, validated by the side channel (check_hello)
-                if hello.get("tp_size", 1) != self.tp_size:
-                    log.error("decode engine %s has tp_size %s, ours %s: only equal TP sizes are supported",
-                              engine, hello.get("tp_size"), self.tp_size)
+                self._take_geometry(engine, hello)
                 self.peer_workers[engine] = workers
                 self._new_peers.add(engine)
             elif kind == "msg":
@@ -630,6 +650,38 @@ class SchedulerSide:
         for xfer in [x for x, (dl, _) in self.holds.items() if dl <= now]:
             del self.holds[xfer]
 
+    def _take_geometry(self, engine: str, hello: dict[str, Any]) -> None:
+        """Record decode ``engine``'s geometry from its hello; an unlike one whose KV we cannot map (a cache
+        layout that serves like-for-like peers only, on either side) is remembered as unmappable, with why."""
+        raw = hello.get("geometry")
+        geo: dict[str, Any] = {"tp_size": int(hello.get("tp_size") or 1), "block_size": self.block_size,
+                               "kv_order": None}
+        if isinstance(raw, dict):
+            bs, order = raw.get("block_size"), raw.get("kv_order")
+            geo["block_size"] = bs if isinstance(bs, int) and 0 < bs <= 1 << 20 else -1
+            geo["kv_order"] = order if order in ("HN", "NH") else None
+        self.peer_geometry[engine] = geo
+        self.unmappable.pop(engine, None)
+        mine = self.geometry()
+        if geo == mine:
+            return
+        why = []
+        if geo["tp_size"] != mine["tp_size"]:
+            why.append(f"tp_size {geo['tp_size']} (ours {mine['tp_size']})")
+        if geo["block_size"] != mine["block_size"]:
+            why.append(f"block_size {geo['block_size']} (ours {mine['block_size']})")
+        if geo["kv_order"] != mine["kv_order"]:
+            why.append(f"KV head order {geo['kv_order']} (ours {mine['kv_order']})")
+        if mine["kv_order"] is None or geo["kv_order"] is None or geo["block_size"] < 1:
+            self.unmappable[engine] = (
+                f"decode engine {engine} differs in {', '.join(why)}, and the KV cache layout of "
+                f"{'this prefill' if mine['kv_order'] is None else 'that decode'} (not dense per layer, e.g. "
+                "cross-layer blocks) serves like-for-like peers only")
+            log.error("kvtransport: %s", self.unmappable[engine])
+        else:
+            log.info("kvtransport: decode engine %s differs in %s: its KV is mapped (kvtransport.reshard)", engine,
+                     ", ".join(why))
+
     def _answer_now(self, engine: str, msg: dict[str, Any]) -> dict[str, Any] | None:
         """Side-channel reader thread: a destination for a transfer this prefill already freed is refused at
         once — an idle engine would only see it at its next step (minutes, or the decode's timeout). Reads
@@ -671,6 +723,10 @@ class SchedulerSide:
             return
         if mtype == "dst":
             dsts = [_Dst(engine, d["seq"], d["blocks"], d["offset"]) for d in msg.get("dsts", [])]
+            if engine in self.unmappable:
+                for d in dsts:
+                    self._send_fail(engine, [d.seq], self.unmappable[engine])
+                return
             foreign = self._foreign(engine, xfer, [d.seq for d in dsts])
             for seq in sorted(foreign):
                 self._send_fail(engine, [seq], f"request {seq} of transfer {xfer} belongs to another decode engine")
@@ -802,6 +858,10 @@ class SchedulerSide:
         for d in src.dsts:
             if d.final_sent or d.cancelled:
                 continue
+            geo = self._unlike(d.engine)
+            if geo is not None:
+                self._push_tokens(src, d, geo, d.pushed_tok, after, final, plan.layer_pushes)
+                continue
             end = min(upto, d.offset + len(d.blocks), len(src.blocks))
             lo = d.pushed_upto
             if end > lo:
@@ -821,6 +881,11 @@ class SchedulerSide:
                 n_src = -(-src.prompt_len // self.block_size)
                 for d in src.dsts:
                     if d.final_sent or d.cancelled:
+                        continue
+                    geo = self._unlike(d.engine)
+                    if geo is not None:
+                        self._push_tokens(src, d, geo, 0, src.prompt_len, True, self._whole)
+                        src.puts_issued = True
                         continue
                     n = max(0, min(len(d.blocks), n_src - d.offset, len(src.blocks) - d.offset))
                     self._whole.append(Push(src.req_id, d.seq, d.engine, tuple(src.blocks[d.offset:d.offset + n]),
@@ -844,6 +909,28 @@ class SchedulerSide:
                 if src.delay_freed:
                     self._releases.append(src.req_id)
                 self._drop_source(src.req_id)
+
+    def _push_tokens(self, src: _Source, d: _Dst, geo: dict[str, Any], lo: int, hi: int, final: bool,
+                     out: list[Push]) -> None:
+        """Queue prompt tokens ``[lo, hi)`` of ``src`` for a destination ``d`` of an unlike decode (``geo``): a
+        token range with the blocks that hold it on both sides (the workers map heads and blocks). Tokens the
+        decode had already (its first ``d.offset`` blocks) and tokens beyond its blocks are left out."""
+        bs, dbs = self.block_size, int(geo["block_size"])
+        first = d.offset * dbs
+        lo = max(lo, first)
+        hi = min(hi, src.prompt_len, first + len(d.blocks) * dbs, len(src.blocks) * bs)
+        delay = self._delay(src) if final else 0.0
+        if hi > lo:
+            s_lo, s_hi = lo // bs, -(-hi // bs)
+            d_lo, d_hi = (lo - first) // dbs, -(-(hi - first) // dbs)
+            out.append(Push(src.req_id, d.seq, d.engine, tuple(src.blocks[s_lo:s_hi]), tuple(d.blocks[d_lo:d_hi]),
+                            final, delay, start=lo, stop=hi, src_first=s_lo * bs, dst_first=first + d_lo * dbs))
+            src.puts_issued = True
+        elif final:  # nothing left to put, still signal
+            out.append(Push(src.req_id, d.seq, d.engine, (), (), True, delay, start=lo, stop=lo))
+            src.puts_issued = True
+        d.pushed_tok = max(d.pushed_tok, hi)
+        d.final_sent = final
 
     def _delay(self, src: _Source) -> float:
         """Test-only pause before ``src``'s final signal (``debug_push_delay`` and ``kvt_debug_delay``)."""
