@@ -13,7 +13,11 @@ block's logical dimensions, outermost first, written as a string over
 * ``H``: the KV head among the rank's own heads,
 * ``K``: K or V, when they share a block (absent when K and V are separate planes of the layer),
 
-with the head dimension always innermost (vLLM's ``NHD`` is ``"NH"``, ``HND`` is ``"HN"``). Unit ``u`` of
+with the head dimension always innermost (vLLM's ``NHD`` is ``"NH"``, ``HND`` is ``"HN"``).
+
+vLLM's CPU attention (``"CPU"``) keeps each (block, head) as K *transposed*, ``[head_size][block_size]``,
+followed by V, ``[block_size][head_size]``: there the unit is one element, and a token's K is ``head_size``
+elements ``block_size`` apart (one run per element row and block chunk, whole blocks still one run). Unit ``u`` of
 block ``b`` has the index ``b * units_per_block + u``: one flat array of units per plane, so that a mapping is a
 list of :class:`~kvtransport.coalesce.BlockRun` over unit indices (``count`` units contiguous on both sides),
 the same list for every plane of every layer. Same layouts on both sides give one run per contiguous block
@@ -37,8 +41,9 @@ from .errors import LayoutError
 
 __all__ = ["ORDERS", "Shard", "kv_heads_of", "reshard_runs", "senders_to", "source_rank"]
 
-ORDERS = ("NH", "HN", "KNH", "KHN", "NKH", "HKN", "NHK", "HNK")
-"""Every physical order of a block's unit dimensions (outermost first; the head dimension is innermost)."""
+ORDERS = ("NH", "HN", "KNH", "KHN", "NKH", "HKN", "NHK", "HNK", "CPU")
+"""Every physical order of a block's unit dimensions (outermost first; the head dimension is innermost), and
+vLLM's CPU attention layout (element units, see the module docstring)."""
 _SIZES_K = 2
 
 
@@ -79,12 +84,14 @@ class Shard:
     num_kv_heads: int
     block_size: int
     order: str = "NH"
+    head_size: int = 1
+    """Elements per head (used by the ``"CPU"`` order only, whose unit is one element)."""
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
             raise LayoutError(f"unknown block order {self.order!r}; expected one of {', '.join(ORDERS)}")
-        if self.block_size < 1:
-            raise LayoutError(f"block_size must be >= 1, got {self.block_size}")
+        if self.block_size < 1 or self.head_size < 1:
+            raise LayoutError(f"block_size and head_size must be >= 1, got {self.block_size}, {self.head_size}")
         kv_heads_of(self.num_kv_heads, self.tp_size, self.tp_rank)
 
     @property
@@ -101,6 +108,8 @@ class Shard:
 
     @property
     def units_per_block(self) -> int:
+        if self.order == "CPU":
+            return len(self.heads) * 2 * self.block_size * self.head_size
         n = 1
         for c in self.order:
             n *= self._sizes()[c]
@@ -113,8 +122,13 @@ class Shard:
             acc *= sizes[c]
         return out
 
-    def unit(self, block: int, slot: int, local_head: int, kv: int = 0) -> int:
-        """Flat unit index of token ``slot`` of ``block``, local head ``local_head``, K (0) or V (1)."""
+    def unit(self, block: int, slot: int, local_head: int, kv: int = 0, elem: int = 0) -> int:
+        """Flat unit index of token ``slot`` of ``block``, local head ``local_head``, K (0) or V (1) (and for the
+        ``"CPU"`` order, element ``elem`` of the head)."""
+        if self.order == "CPU":
+            n, d = self.block_size, self.head_size
+            base = block * self.units_per_block + local_head * 2 * n * d
+            return base + (elem * n + slot if kv == 0 else n * d + slot * d + elem)
         s = self._strides()
         return block * self.units_per_block + slot * s["N"] + local_head * s["H"] + kv * s.get("K", 0)
 
@@ -153,6 +167,9 @@ def reshard_runs(
     """
     if src.num_kv_heads != dst.num_kv_heads:
         raise LayoutError(f"KV head counts differ: source {src.num_kv_heads}, destination {dst.num_kv_heads}")
+    if (src.order == "CPU") != (dst.order == "CPU") or (src.order == "CPU" and src.head_size != dst.head_size):
+        raise LayoutError(f"units differ: source order {src.order!r} (head size {src.head_size}), destination "
+                          f"{dst.order!r} (head size {dst.head_size})")
     if src.kv_inside != dst.kv_inside:
         raise LayoutError(f"K and V share a block on one side only (source order {src.order!r}, destination "
                           f"{dst.order!r})")
@@ -174,8 +191,9 @@ def reshard_runs(
         return []
     src_local = {h: i for i, h in enumerate(src.heads)}
     dst_local = {h: i for i, h in enumerate(dst.heads)}
+    cpu = src.order == "CPU"
     kvs = range(_SIZES_K) if src.kv_inside else range(1)
-    ss, ds = src.token_stride, dst.token_stride
+    ss, ds = (0, 0) if cpu else (src.token_stride, dst.token_stride)
     pieces: list[tuple[int, int, int]] = []
     t = start
     while t < stop:
@@ -184,6 +202,9 @@ def reshard_runs(
         n = min(stop - t, src.block_size - so, dst.block_size - do)
         sb, db = int(src_blocks[si]), int(dst_blocks[di])
         for h in heads:
+            if cpu:
+                _cpu_pieces(src, dst, sb, so, src_local[h], db, do, dst_local[h], n, pieces)
+                continue
             for kv in kvs:
                 s0 = src.unit(sb, so, src_local[h], kv)
                 d0 = dst.unit(db, do, dst_local[h], kv)
@@ -203,3 +224,11 @@ def reshard_runs(
             cs, cd, cn = s, d, c
     runs.append(BlockRun(cs, cd, cn))
     return runs
+
+
+def _cpu_pieces(src: Shard, dst: Shard, sb: int, so: int, sh: int, db: int, do: int, dh: int, n: int,
+                pieces: list[tuple[int, int, int]]) -> None:
+    """``n`` tokens of one head in vLLM's CPU layout: K one run per element row, V one run."""
+    for e in range(src.head_size):
+        pieces.append((src.unit(sb, so, sh, 0, e), dst.unit(db, do, dh, 0, e), n))
+    pieces.append((src.unit(sb, so, sh, 1, 0), dst.unit(db, do, dh, 1, 0), n * src.head_size))

@@ -22,24 +22,40 @@ def truth(t: int, h: int, kv: int, d: int) -> np.ndarray:
 
 
 def physical(logical: np.ndarray, order: str) -> np.ndarray:
-    """A logical cache [blocks, N, H, (K,) D] laid out in ``order`` (outermost first, D innermost), contiguous."""
+    """A logical cache [blocks, N, H, (K,) D] laid out in ``order`` (outermost first, D innermost), contiguous.
+    ``"CPU"``: per block and head, K transposed [D][N] then V [N][D] (vLLM's CPU attention)."""
+    if order == "CPU":
+        nb, n, h, _, d = logical.shape
+        k = np.transpose(logical[:, :, :, 0, :], (0, 2, 3, 1)).reshape(nb, h, d * n)
+        v = np.transpose(logical[:, :, :, 1, :], (0, 2, 1, 3)).reshape(nb, h, n * d)
+        return np.ascontiguousarray(np.concatenate([k, v], axis=2))
     axes = {"N": 1, "H": 2, "K": 3}
     return np.ascontiguousarray(np.transpose(logical, [0, *[axes[c] for c in order], logical.ndim - 1]))
 
 
+def two(shard: Shard) -> bool:
+    """Whether K and V are told apart (they share a block, or vLLM's CPU layout)."""
+    return shard.kv_inside or shard.order == "CPU"
+
+
+def units(phys: np.ndarray, shard: Shard, d: int) -> np.ndarray:
+    """The flat unit array the runs index: elements for the CPU layout, head_size elements otherwise."""
+    return phys.reshape(-1, 1) if shard.order == "CPU" else phys.reshape(-1, d)
+
+
 def logical_cache(shard: Shard, num_blocks: int, d: int) -> np.ndarray:
-    shape = [num_blocks, shard.block_size, len(shard.heads)] + ([2] if shard.kv_inside else []) + [d]
+    shape = [num_blocks, shard.block_size, len(shard.heads)] + ([2] if two(shard) else []) + [d]
     return np.full(shape, -1, dtype=np.int32)
 
 
 def fill(cache: np.ndarray, shard: Shard, blocks: list[int], first: int, tokens: range, d: int) -> None:
     """The slow way: token by token, head by head."""
-    kvs = (0, 1) if shard.kv_inside else (0,)
+    kvs = (0, 1) if two(shard) else (0,)
     for t in tokens:
         b, slot = divmod(t - first, shard.block_size)
         for j, h in enumerate(shard.heads):
             for kv in kvs:
-                idx = (blocks[b], slot, j, kv) if shard.kv_inside else (blocks[b], slot, j)
+                idx = (blocks[b], slot, j, kv) if two(shard) else (blocks[b], slot, j)
                 cache[idx] = truth(t, h, kv, d)
 
 
@@ -60,8 +76,8 @@ def cases(draw):
     base = draw(st.sampled_from([1, 2, 4, 8]))
     ratio = draw(st.sampled_from([1, 2, 4]))
     src_bs, dst_bs = (base, base * ratio) if draw(st.booleans()) else (base * ratio, base)
-    kv_inside = draw(st.booleans())
-    orders = [o for o in ORDERS if ("K" in o) == kv_inside]
+    kind = draw(st.sampled_from(["plain", "kv", "cpu"]))
+    orders = ["CPU"] if kind == "cpu" else [o for o in ORDERS if o != "CPU" and ("K" in o) == (kind == "kv")]
     src_order, dst_order = draw(st.sampled_from(orders)), draw(st.sampled_from(orders))
     d = draw(st.sampled_from([1, 2, 3]))
     total = draw(st.integers(1, 40))
@@ -86,16 +102,16 @@ def cases(draw):
 @given(cases())
 def test_every_destination_byte_comes_from_the_right_source_byte(c):
     k, d = c["k"], c["d"]
-    srcs = [Shard(c["src_tp"], r, k, c["src_bs"], c["src_order"]) for r in range(c["src_tp"])]
-    dsts = [Shard(c["dst_tp"], r, k, c["dst_bs"], c["dst_order"]) for r in range(c["dst_tp"])]
+    srcs = [Shard(c["src_tp"], r, k, c["src_bs"], c["src_order"], d) for r in range(c["src_tp"])]
+    dsts = [Shard(c["dst_tp"], r, k, c["dst_bs"], c["dst_order"], d) for r in range(c["dst_tp"])]
     # source caches: the whole prompt, the slow way, then laid out physically and seen as flat units
     src_units = []
     for s in srcs:
         cache = logical_cache(s, c["src_pool"], d)
         fill(cache, s, c["src_blocks"], 0, range(c["total"]), d)
-        src_units.append(physical(cache, s.order).reshape(-1, d))
+        src_units.append(units(physical(cache, s.order), s, d))
     for dshard in dsts:
-        got = physical(logical_cache(dshard, c["dst_pool"], d), dshard.order).reshape(-1, d)
+        got = units(physical(logical_cache(dshard, c["dst_pool"], d), dshard.order), dshard, d)
         writer = np.full(len(got), -1)  # which source rank wrote each destination unit
         writes = np.zeros(len(got), dtype=np.int64)
         for s in srcs:
@@ -114,7 +130,7 @@ def test_every_destination_byte_comes_from_the_right_source_byte(c):
         # the slow reference: only the range's tokens of this rank's own heads, everything else untouched
         expect = logical_cache(dshard, c["dst_pool"], d)
         fill(expect, dshard, c["dst_blocks"], c["dst_first"], range(c["start"], c["stop"]), d)
-        expect_units = physical(expect, dshard.order).reshape(-1, d)
+        expect_units = units(physical(expect, dshard.order), dshard, d)
         np.testing.assert_array_equal(got, expect_units)
         written = (expect_units != -1).all(axis=1)
         assert ((writes == 1) == written).all() and (writes <= 1).all()  # each unit written once, or never
@@ -184,3 +200,16 @@ def test_refusals_name_the_problem():
     with pytest.raises(LayoutError, match="unknown block order"):
         Shard(1, 0, 2, 16, "NHD")
     assert reshard_runs(Shard(1, 0, 2, 16), Shard(1, 0, 2, 16), [0], [0], 3, 3) == []
+
+
+def test_cpu_layout_k_rows_and_v_block():
+    # vLLM's CPU attention: per block and head K as [head_size][block_size], then V as [block_size][head_size]
+    src, dst = Shard(1, 0, 1, 2, "CPU", 3), Shard(1, 0, 1, 4, "CPU", 3)
+    assert src.units_per_block == 12 and dst.units_per_block == 24
+    # source block 1 (units 12..23): K rows at 12+e*2, V at 12+6..; destination block 0, tokens 2..3 (slots 2, 3)
+    assert reshard_runs(src, dst, [0, 1], [0], 2, 4) == [
+        BlockRun(12, 2, 2), BlockRun(14, 6, 2), BlockRun(16, 10, 2), BlockRun(18, 18, 6)]
+    # like blocks: the whole block is one run
+    assert reshard_runs(src, src, [3], [5], 0, 2) == [BlockRun(36, 60, 12)]
+    with pytest.raises(LayoutError, match="units differ"):
+        reshard_runs(src, Shard(1, 0, 1, 2, "HN"), [0], [0], 0, 1)

@@ -44,22 +44,29 @@ def truth(tokens: int) -> torch.Tensor:
 
 
 def place(kv: dict[str, torch.Tensor], tp: int, rank: int, bs: int, blocks: list[int], first: int, t0: int,
-          t1: int, values: torch.Tensor) -> None:
-    """Write tokens [t0, t1) of rank ``rank``'s heads into ``blocks`` (blocks[i] holds tokens first + i*bs on)."""
+          t1: int, values: torch.Tensor, cpu: bool = False) -> None:
+    """Write tokens [t0, t1) of rank ``rank``'s heads into ``blocks`` (blocks[i] holds tokens first + i*bs on).
+    ``cpu``: as vLLM's CPU attention stores them (per block and head, K transposed [head][slot], then V)."""
     heads = kv_heads_of(KV_HEADS, tp, rank)
     for li, t in enumerate(kv.values()):
         for tok in range(t0, t1):
             b, slot = divmod(tok - first, bs)
             for j, h in enumerate(heads):
-                t[blocks[b], j, slot] = values[li, tok, h]
+                if cpu:
+                    region = t[blocks[b], j].reshape(-1)  # HND: one (block, head) is contiguous
+                    for e in range(HEAD):
+                        region[e * bs + slot] = values[li, tok, h, e]
+                        region[bs * HEAD + slot * HEAD + e] = values[li, tok, h, HEAD + e]
+                else:
+                    t[blocks[b], j, slot] = values[li, tok, h]
 
 
 def workers(tp: int, bs: int, order: str, **extra) -> tuple[list[WorkerSide], list[dict[str, torch.Tensor]]]:
     ws, caches = [], []
     for r in range(tp):
-        kv = cache(len(kv_heads_of(KV_HEADS, tp, r)), bs, order)
+        kv = cache(len(kv_heads_of(KV_HEADS, tp, r)), bs, "HN" if order == "CPU" else order)
         w = WorkerSide(settings=resolve_settings({"backend": "nccl", "connect_timeout": 20, **extra}),
-                       engine_id="e", tp_rank=r, tp_size=tp, num_kv_heads=KV_HEADS)
+                       engine_id="e", tp_rank=r, tp_size=tp, num_kv_heads=KV_HEADS, cpu_attn=order == "CPU")
         w.register_kv_caches(kv)
         ws.append(w)
         caches.append(kv)
@@ -90,6 +97,9 @@ def test_geometry_of_vllm_views() -> None:
     buf = torch.zeros(BLOCKS, LAYERS, 2, 16, C)
     assert describe({f"l{i}": buf[:, i] for i in range(LAYERS)}, 0) is None
     assert part_seq("r", 1, 1) == "r" and part_seq("r", 1, 2) == "r#kvt-p1"
+    # vLLM's CPU attention: element units, K and V told apart
+    assert describe(cache(2, 16, "HN"), 0, cpu_attn=True) == Geometry("CPU", 2, 16, 4, BLOCKS, HEAD)
+    assert describe(cache(2, 16, "NH"), 0, cpu_attn=True) is None
 
 
 @pytest.mark.parametrize(("ptp", "dtp", "pbs", "dbs", "dorder"), [
@@ -99,11 +109,14 @@ def test_geometry_of_vllm_views() -> None:
     (1, 2, 32, 16, "NH"),  # TP split, block size ratio 1/2, HND -> NHD (one run per token)
     (1, 4, 16, 16, "HN"),  # decode TP above the KV head count: each head replicated on two ranks
     (4, 1, 16, 16, "HN"),  # prefill replicates: each head taken from one replica
+    (2, 1, 16, 32, "CPU"),  # vLLM's CPU attention layout on both sides (K transposed per block)
+    (1, 2, 32, 16, "CPU"),
 ])
 def test_unlike_workers_move_exactly_the_prompt(ptp: int, dtp: int, pbs: int, dbs: int, dorder: str) -> None:
     prompt = 45  # several blocks on both sides, the last one partial
     values = truth(prompt)
-    ps, pcaches = workers(ptp, pbs, "HN")
+    cpu = dorder == "CPU"
+    ps, pcaches = workers(ptp, pbs, "CPU" if cpu else "HN")
     ds, dcaches = workers(dtp, dbs, dorder, transfer_timeout=60)
     try:
         src_blocks = [5, 2, 9, 11, 3, 7][: -(-prompt // pbs)]
@@ -111,7 +124,7 @@ def test_unlike_workers_move_exactly_the_prompt(ptp: int, dtp: int, pbs: int, db
         dst_first = dst_offset * dbs
         dst_blocks = [20, 4, 13, 1, 17, 8][: -(-(prompt - dst_first) // dbs)]
         for r in range(ptp):
-            place(pcaches[r], ptp, r, pbs, src_blocks, 0, 0, prompt, values)
+            place(pcaches[r], ptp, r, pbs, src_blocks, 0, 0, prompt, values, cpu)
         senders = {r: p.cm.instance for r, p in enumerate(ps)}
         for d in ds:
             d.bind(StepPlan(recv_start={"dreq": 60}, recv_from={"dreq": senders}))
@@ -129,8 +142,8 @@ def test_unlike_workers_move_exactly_the_prompt(ptp: int, dtp: int, pbs: int, db
             p.bind(StepPlan(send_release=["preq"]))
         poll_all(ps, "finished_sending", "preq")
         for r in range(dtp):
-            want = cache(len(kv_heads_of(KV_HEADS, dtp, r)), dbs, dorder)
-            place(want, dtp, r, dbs, dst_blocks, dst_first, dst_first, prompt, values)
+            want = cache(len(kv_heads_of(KV_HEADS, dtp, r)), dbs, "HN" if cpu else dorder)
+            place(want, dtp, r, dbs, dst_blocks, dst_first, dst_first, prompt, values, cpu)
             for name in want:
                 assert torch.equal(dcaches[r][name], want[name]), f"decode rank {r} {name}"
         stats = [d.stats_delta() for d in ds]

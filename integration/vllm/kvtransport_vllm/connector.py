@@ -77,6 +77,16 @@ class KVTransportWorkerMeta(KVConnectorWorkerMetadata):
         return self
 
 
+def _cpu_attention() -> bool:
+    """Whether this worker's attention is vLLM's CPU backend (it lays out block interiors its own way)."""
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+    except Exception:
+        return False
+
+
 PP_UNSUPPORTED = ("KVTransportConnector does not support pipeline parallelism (pipeline_parallel_size={pp}): "
                   "run the prefill and decode instances with pipeline_parallel_size=1 (their tensor_parallel_size "
                   "may differ)")
@@ -145,7 +155,8 @@ class KVTransportConnector(KVConnectorBase_V1):
             mc = vllm_config.model_config
             self._worker = WorkerSide(settings=self.settings, engine_id=self.engine_id, tp_rank=rank,
                                       num_blocks=num_blocks, tp_size=vllm_config.parallel_config.tensor_parallel_size,
-                                      num_kv_heads=mc.get_total_num_kv_heads() if mc is not None else None)
+                                      num_kv_heads=mc.get_total_num_kv_heads() if mc is not None else None,
+                                      cpu_attn=_cpu_attention())
 
     # ------------------------------------------------------------------ class-level
     @classmethod

@@ -7,7 +7,9 @@ side by side in the last dimension) in some physical order. When each layer's bl
 the layer is one flat array of *units* of ``2*head_size`` elements (one token of one KV head, K and V), and
 :mod:`kvtransport.reshard` maps any source worker's units onto any destination worker's. The unit layout's
 compatibility signature holds only the unit size and the dtype: a TP size, a block size or a head order may
-differ between peers, a dtype or head size may not. Cross-layer layouts (block outermost over all layers) are
+differ between peers, a dtype or head size may not. vLLM's CPU attention reads the same view as ``[blocks,
+heads, 2*block_size, head_size]``, K rows then V rows, and stores K transposed: its unit is one element (order
+``"CPU"`` of :mod:`kvtransport.reshard`). Cross-layer layouts (block outermost over all layers) are
 not dense per layer: they keep the block layout, and only like-for-like peers.
 
 No vLLM import (unit-tested on its own).
@@ -32,23 +34,27 @@ SUBSEQ = "#kvt-p"
 class Geometry:
     """One worker's cache as unlike peers need it."""
 
-    order: str  # "HN" (vLLM's HND) or "NH" (NHD)
+    order: str  # "HN" (vLLM's HND), "NH" (NHD) or "CPU" (vLLM's CPU attention: element units)
     heads: int  # KV heads this rank holds
     block_size: int
-    unit_bytes: int  # 2 * head_size * itemsize
+    unit_bytes: int  # 2 * head_size * itemsize; CPU: itemsize
     num_blocks: int
+    head_size: int = 1
 
     @property
     def units_per_block(self) -> int:
+        if self.order == "CPU":
+            return self.heads * self.block_size * 2 * self.head_size
         return self.heads * self.block_size
 
     def shard(self, tp_size: int, tp_rank: int, num_kv_heads: int) -> Shard:
-        return Shard(tp_size, tp_rank, num_kv_heads, self.block_size, self.order)
+        return Shard(tp_size, tp_rank, num_kv_heads, self.block_size, self.order, self.head_size)
 
 
-def describe(kv_caches: Mapping[str, Any], block_dim: int) -> Geometry | None:
+def describe(kv_caches: Mapping[str, Any], block_dim: int, cpu_attn: bool = False) -> Geometry | None:
     """The geometry of per-layer views ``[blocks, heads, block_size, 2*head]`` with dense blocks, the same for
-    every layer; None for anything else (older layouts, cross-layer blocks)."""
+    every layer; None for anything else (older layouts, cross-layer blocks). ``cpu_attn``: the caches belong to
+    vLLM's CPU attention (HND blocks whose interior it lays out itself)."""
     out: Geometry | None = None
     for t in kv_caches.values():
         if block_dim != 0 or len(t.shape) != 4:
@@ -61,7 +67,13 @@ def describe(kv_caches: Mapping[str, Any], block_dim: int) -> Geometry | None:
         nh = (h == 1 or s1 == c) and (n == 1 or s2 == h * c)
         if not (hn or nh) or (nb > 1 and s0 != h * n * c):
             return None
-        g = Geometry("HN" if hn else "NH", h, n, c * int(t.element_size()), nb)
+        item = int(t.element_size())
+        if cpu_attn:
+            if not hn or c % 2:
+                return None
+            g = Geometry("CPU", h, n, item, nb, c // 2)
+        else:
+            g = Geometry("HN" if hn else "NH", h, n, c * item, nb)
         if out is not None and g != out:
             return None
         out = g

@@ -659,7 +659,7 @@ class SchedulerSide:
         if isinstance(raw, dict):
             bs, order = raw.get("block_size"), raw.get("kv_order")
             geo["block_size"] = bs if isinstance(bs, int) and 0 < bs <= 1 << 20 else -1
-            geo["kv_order"] = order if order in ("HN", "NH") else None
+            geo["kv_order"] = order if order in ("HN", "NH", "CPU") else None
         self.peer_geometry[engine] = geo
         self.unmappable.pop(engine, None)
         mine = self.geometry()

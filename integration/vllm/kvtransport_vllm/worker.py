@@ -350,13 +350,15 @@ class WorkerSide:
     """See the module docstring. Constructed by the connector for ``KVConnectorRole.WORKER``."""
 
     def __init__(self, *, settings: ConnectorSettings, engine_id: str, tp_rank: int = 0,
-                 num_blocks: int | None = None, tp_size: int = 1, num_kv_heads: int | None = None) -> None:
+                 num_blocks: int | None = None, tp_size: int = 1, num_kv_heads: int | None = None,
+                 cpu_attn: bool = False) -> None:
         self.settings = settings
         self.num_blocks = num_blocks
         self.engine_id = engine_id
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.num_kv_heads = num_kv_heads  # the model's (None: this rank's heads times tp_size)
+        self.cpu_attn = cpu_attn  # vLLM's CPU attention owns the block interiors (see geometry.py)
         self.geometry: Geometry | None = None  # None: block layout (like-for-like peers only)
         self.shard: Shard | None = None
         self.peer_geometry: dict[str, dict[str, Any]] = {}
@@ -393,7 +395,7 @@ class WorkerSide:
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
         first = next(iter(kv_caches.values()))
         bdim = block_dim(tuple(first.shape), self.num_blocks)
-        self.geometry = describe(kv_caches, bdim)
+        self.geometry = describe(kv_caches, bdim, self.cpu_attn)
         if self.geometry is not None:
             heads = self.num_kv_heads or self.geometry.heads * self.tp_size
             try:
@@ -531,7 +533,8 @@ class WorkerSide:
 
     def _peer_shard(self, geo: dict[str, Any], rank: int) -> Shard:
         assert self.shard is not None
-        return Shard(int(geo["tp_size"]), rank, self.shard.num_kv_heads, int(geo["block_size"]), str(geo["kv_order"]))
+        return Shard(int(geo["tp_size"]), rank, self.shard.num_kv_heads, int(geo["block_size"]), str(geo["kv_order"]),
+                     self.shard.head_size)
 
     def _expand(self, pushes: list[Push]) -> list[Push]:
         """Each push as the pusher puts it: like-for-like block pairs as unit runs (unit layout), a token range
