@@ -156,13 +156,15 @@ def reshard_runs(
     *,
     src_first_token: int = 0,
     dst_first_token: int = 0,
+    skip_block: int | None = None,
 ) -> list[BlockRun]:
     """The unit runs source rank ``src`` sends to destination rank ``dst`` for tokens ``[start, stop)``.
 
     ``src_blocks[i]`` holds the source's tokens ``src_first_token + i*src.block_size`` onwards, ``dst_blocks[j]``
     the destination's tokens ``dst_first_token + j*dst.block_size`` onwards. Only the heads that ``src`` sends
     to ``dst`` (:func:`senders_to`) are covered: empty when it sends none. Runs are sorted by source unit and
-    maximal (contiguous on both sides). Raises :class:`LayoutError` for peers that cannot exchange units
+    maximal (contiguous on both sides). Tokens whose source or destination block is ``skip_block`` (vLLM's null
+    block: a sliding window's tokens that left the window) are left out. Raises :class:`LayoutError` for peers that cannot exchange units
     (other head counts, K/V shared on one side only) or block lists that do not cover the range.
     """
     if src.num_kv_heads != dst.num_kv_heads:
@@ -201,6 +203,9 @@ def reshard_runs(
         di, do = divmod(t - dst_first_token, dst.block_size)
         n = min(stop - t, src.block_size - so, dst.block_size - do)
         sb, db = int(src_blocks[si]), int(dst_blocks[di])
+        if skip_block is not None and skip_block in (sb, db):
+            t += n
+            continue
         for h in heads:
             if cpu:
                 _cpu_pieces(src, dst, sb, so, src_local[h], db, do, dst_local[h], n, pieces)
@@ -213,6 +218,8 @@ def reshard_runs(
                 else:
                     pieces.extend((s0 + i * ss, d0 + i * ds, 1) for i in range(n))
         t += n
+    if not pieces:
+        return []
     pieces.sort()
     runs: list[BlockRun] = []
     cs, cd, cn = pieces[0]

@@ -213,3 +213,11 @@ def test_cpu_layout_k_rows_and_v_block():
     assert reshard_runs(src, src, [3], [5], 0, 2) == [BlockRun(36, 60, 12)]
     with pytest.raises(LayoutError, match="units differ"):
         reshard_runs(src, Shard(1, 0, 1, 2, "HN"), [0], [0], 0, 1)
+
+
+def test_null_blocks_are_skipped():
+    # vLLM's null block (a sliding window's skipped blocks) on either side: those tokens are not moved
+    a = Shard(1, 0, 1, 2, "HN")
+    assert reshard_runs(a, a, [0, 5], [7, 0], 0, 4, skip_block=0) == []
+    assert reshard_runs(a, a, [0, 5, 6], [7, 3, 4], 0, 6, skip_block=0) == [BlockRun(10, 6, 4)]
+    assert reshard_runs(a, a, [0, 5], [7, 3], 0, 4) == [BlockRun(0, 14, 2), BlockRun(10, 6, 2)]

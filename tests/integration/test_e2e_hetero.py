@@ -65,12 +65,12 @@ def instances(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
             p.stop()
 
 
-def prompts(seed: int) -> list[str]:
+def prompts(seed: int, lengths: tuple[int, ...] = (3, 31, 70, 150)) -> list[str]:
     """Short, about a block, and several blocks with a partial last one (both block sizes)."""
     import random
 
     rng = random.Random(seed)
-    return [" ".join(f"w{rng.randrange(4, 1024)}" for _ in range(n)) for n in (3, 31, 70, 150)]
+    return [" ".join(f"w{rng.randrange(4, 1024)}" for _ in range(n)) for n in lengths]
 
 
 def complete(url: str, prompt: str) -> list[int]:
@@ -89,10 +89,11 @@ def reference(ref: Proc, prompt: str) -> list[int]:
     return _REFERENCE[prompt]
 
 
-def check_pair(instances: dict[str, Any], prefill: str, decode: str, seed: int) -> None:
+def check_pair(instances: dict[str, Any], prefill: str, decode: str, seed: int,
+               lengths: tuple[int, ...] = (3, 31, 70, 150)) -> None:
     procs = instances["procs"]
     P, D, R = procs[prefill], procs[decode], procs["P1"]
-    ps = prompts(seed)
+    ps = prompts(seed, lengths)
     want = [reference(R, p) for p in ps]
     proxy = start_proxy(instances, ["--prefill", P.url, "--decode", D.url], f"proxy-{prefill}-{decode}")
     try:

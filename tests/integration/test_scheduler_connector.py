@@ -961,3 +961,26 @@ def test_compatibility_still_refuses_model_dtype_and_head_size(tiny_model: str) 
         c = {**a, key: other}
         assert compat_hash(c) != compat_hash(a)
         assert describe_mismatch(a, c) == f"{key}: ours={a[key]!r} peer={other!r}"
+
+
+def test_kv_cache_groups_the_connector_cannot_move_are_refused_by_name() -> None:
+    from types import SimpleNamespace
+
+    import torch
+    from kvtransport_vllm.connector import check_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=48)
+    cfg = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=window, layer_names=["l0", "l2"]),
+                                           SimpleNamespace(kv_cache_spec=full, layer_names=["l1"])])
+    assert check_groups(cfg) == {"l0": 0, "l2": 0, "l1": 1}
+    assert check_groups(None) == {}
+
+    class MambaSpec:  # stands for vLLM's (only its name and block size are read)
+        block_size = 16
+
+    cfg.kv_cache_groups.append(SimpleNamespace(kv_cache_spec=MambaSpec(), layer_names=["m3"]))
+    with pytest.raises(ValueError, match=r"cannot move KV cache group 2 \(MambaSpec, layers \['m3'\]\): it moves full "
+                                         r"and sliding-window attention KV only; Mamba/SSM state is not supported"):
+        check_groups(cfg)

@@ -48,6 +48,9 @@ class Push:
     """(worker) the unit runs to put; None: the block pairs."""
     base: str = ""
     """(worker) the decode request ``seq`` is a part of; empty: ``seq`` itself."""
+    group: int = 0
+    """The KV cache group whose layers this push fills (hybrid models: e.g. full and sliding-window attention).
+    Only group 0's pushes signal the sequence; the others' come first."""
 
 
 @dataclass

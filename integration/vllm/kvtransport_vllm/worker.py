@@ -37,7 +37,7 @@ from .compat import block_dim
 from .config import ConnectorSettings
 from .geometry import Geometry, base_seq, describe, part_seq, unit_layout
 from .metadata import Push, SendFailure, StepPlan
-from .scheduler import PREFILL_LOST
+from .scheduler import NULL_BLOCK, PREFILL_LOST
 
 log = logging.getLogger("vllm.kvtransport")
 
@@ -60,8 +60,13 @@ class _Pusher:
     """The thread that issues every put/signal/flush of one worker (see module docstring)."""
 
     def __init__(self, cm: kvtransport.CommManager, tp_rank: int, num_layers: int, timeout: float,
-                 cuda: bool = False) -> None:
+                 cuda: bool = False, group_of: list[int] | None = None) -> None:
         self.cm = cm
+        self.group_of = group_of or [0] * num_layers  # layer -> its KV cache group
+        self.group_layers: dict[int, list[int]] = defaultdict(list)
+        for layer, g in enumerate(self.group_of):
+            self.group_layers[g].append(layer)
+        self.groups = len(self.group_layers)
         self.cuda = cuda
         self.stream: Any = None  # CUDA: the pusher's own stream (set on its thread)
         self.tp_rank = tp_rank
@@ -174,14 +179,16 @@ class _Pusher:
             _, layer, pushes, event = job
             self._after(event)
             for p in pushes:
-                self._put(p, layer, signal_layer=p.final)
+                if p.group == self.group_of[layer]:
+                    self._put(p, layer, signal_layer=p.final)
         elif kind == "signal":
             self._signal_later("layerwise", list(job[1]))
         elif kind == "whole":
             whole: Push = job[1]
             self._after(job[2])
             self._put(whole, None)  # every layer in one call (one device launch on CUDA IPC paths)
-            self._signal_later("whole", [whole])
+            if whole.group == 0:  # the other groups' pushes of the request came first
+                self._signal_later("whole", [whole])
         elif kind == "release":
             self.releasing.append(job[1])
 
@@ -297,12 +304,13 @@ class _Pusher:
             peer = self._peer(p, lambda: self._put(p, layer, signal_layer=signal_layer))
             if peer is None:
                 return
+            layers = (layer,) if layer is not None else self.group_layers[p.group] if self.groups > 1 else None
             if p.runs is not None:
                 if p.runs:
-                    self.cm.put_runs(peer, p.seq, None if layer is None else (layer,), p.runs)
+                    self.cm.put_runs(peer, p.seq, layers, p.runs)
             elif p.src:
                 if layer is None:
-                    self.cm.put_layers(peer, p.seq, None, p.src, p.dst)
+                    self.cm.put_layers(peer, p.seq, layers, p.src, p.dst)
                 else:
                     self.cm.put_layer(peer, p.seq, layer, p.src, p.dst)
             if signal_layer and layer is not None:
@@ -351,7 +359,7 @@ class WorkerSide:
 
     def __init__(self, *, settings: ConnectorSettings, engine_id: str, tp_rank: int = 0,
                  num_blocks: int | None = None, tp_size: int = 1, num_kv_heads: int | None = None,
-                 cpu_attn: bool = False) -> None:
+                 cpu_attn: bool = False, layer_groups: dict[str, int] | None = None) -> None:
         self.settings = settings
         self.num_blocks = num_blocks
         self.engine_id = engine_id
@@ -359,6 +367,7 @@ class WorkerSide:
         self.tp_size = tp_size
         self.num_kv_heads = num_kv_heads  # the model's (None: this rank's heads times tp_size)
         self.cpu_attn = cpu_attn  # vLLM's CPU attention owns the block interiors (see geometry.py)
+        self.layer_groups = dict(layer_groups or {})  # layer name -> KV cache group (hybrid models)
         self.geometry: Geometry | None = None  # None: block layout (like-for-like peers only)
         self.shard: Shard | None = None
         self.peer_geometry: dict[str, dict[str, Any]] = {}
@@ -415,12 +424,13 @@ class WorkerSide:
         opts.setdefault("timeout", self.settings.connect_timeout)
         self.cm = kvtransport.open(self.layout, backend=backend, ifname=self.settings.ifname, **opts)
         self.pusher = _Pusher(self.cm, self.tp_rank, self.layout.num_layers, self.settings.connect_timeout,
-                              cuda=self.layout.is_cuda)
+                              cuda=self.layout.is_cuda,
+                              group_of=[self.layer_groups.get(name, 0) for name in self.layer_index])
         self._fencer = threading.Thread(target=self._fence_loop, name="kvt-fence", daemon=True)
         self._fencer.start()
-        log.info("kvtransport connector worker %d: backend %s, %d layers x %d blocks, %d plane(s)/layer",
-                 self.tp_rank, self.cm.backend, self.layout.num_layers, self.layout.num_blocks,
-                 len(self.layout.layers[0].planes))
+        log.info("kvtransport connector worker %d: backend %s, %d layers x %d blocks, %d plane(s)/layer, "
+                 "%d KV cache group(s), geometry %s", self.tp_rank, self.cm.backend, self.layout.num_layers,
+                 self.layout.num_blocks, len(self.layout.layers[0].planes), self.pusher.groups, self.geometry)
 
     def handshake(self) -> dict[str, Any]:
         """What the scheduler side needs from this worker (kvtransport metadata and compatibility fields)."""
@@ -536,6 +546,10 @@ class WorkerSide:
         return Shard(int(geo["tp_size"]), rank, self.shard.num_kv_heads, int(geo["block_size"]), str(geo["kv_order"]),
                      self.shard.head_size)
 
+    def _hybrid(self) -> bool:
+        """Several KV cache groups: a sliding window's skipped blocks are vLLM's null block (never moved)."""
+        return len(set(self.layer_groups.values())) > 1
+
     def _expand(self, pushes: list[Push]) -> list[Push]:
         """Each push as the pusher puts it: like-for-like block pairs as unit runs (unit layout), a token range
         for unlike peers as one push per destination rank this worker serves, with its unit runs. A push that
@@ -568,7 +582,8 @@ class WorkerSide:
             if self.tp_rank not in senders:
                 continue
             runs = reshard_runs(self.shard, dst, p.src, p.dst, p.start, p.stop, src_first_token=p.src_first,
-                                dst_first_token=p.dst_first) if p.src else []
+                                dst_first_token=p.dst_first,
+                                skip_block=NULL_BLOCK if self._hybrid() else None) if p.src else []
             out.append(replace(p, seq=part_seq(p.seq, self.tp_rank, len(senders)), rank=d, runs=tuple(runs),
                                base=p.seq))
         return out
@@ -598,7 +613,7 @@ class WorkerSide:
             for idx in missed:
                 self.pusher.submit("layer", idx, plan.layer_pushes, event)
             self._layers_done = set(range(self.layout.num_layers))
-            finals = [p for p in plan.layer_pushes if p.final]
+            finals = [p for p in plan.layer_pushes if p.final and p.group == 0]
             if finals:
                 self.pusher.submit("signal", finals)
         plan.layer_pushes = []
