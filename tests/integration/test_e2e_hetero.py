@@ -31,6 +31,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 MAX_TOKENS = 8
 CONN = {"kv_connector": "KVTransportConnector"}
+TOKEN_BYTES = 2 * 2 * 2 * 64 * 4
+"""Bytes of one token's KV in the tiny Llama: 2 layers x 2 KV heads x (K, V) x head size 64 x float32."""
 
 
 def instance(name: str, model: str, role: str, tp: int, block: int, log_dir: Path, backend: str = "ucx") -> Proc:
@@ -90,7 +92,9 @@ def reference(ref: Proc, prompt: str) -> list[int]:
 
 
 def check_pair(instances: dict[str, Any], prefill: str, decode: str, seed: int,
-               lengths: tuple[int, ...] = (3, 31, 70, 150)) -> None:
+               lengths: tuple[int, ...] = (3, 31, 70, 150), decode_tp: int = 1, unlike: bool = True) -> None:
+    """``unlike``: the pair differs (TP or block size), so exactly the transferred tokens' KV moves (like pairs
+    move whole blocks, a chunk's partial last block again with the next chunk)."""
     procs = instances["procs"]
     P, D, R = procs[prefill], procs[decode], procs["P1"]
     ps = prompts(seed, lengths)
@@ -126,9 +130,11 @@ def check_pair(instances: dict[str, Any], prefill: str, decode: str, seed: int,
     print(f"\n[e2e-hetero] {prefill}->{decode}: {s}")
     assert s["local_compute"] == 0, s
     assert s["external"] > 0 and s["failures"] == 0, s
-    # one transfer per request (a request made of parts from several prefill ranks counts once per decode rank)
-    assert s["received"] >= len(ps), s
+    # one transfer per request and decode rank (the parts of several prefill ranks count once)
+    assert s["received"] == len(ps) * decode_tp, s
     assert s["bytes_received"] == s["bytes_sent"] > 0, s
+    if unlike:  # every head of every transferred token once, nothing more
+        assert s["bytes_received"] == s["external"] * TOKEN_BYTES, s
     deadline = time.monotonic() + 30
     while True:
         usage = {n: metrics(x.url).get("vllm:kv_cache_usage_perc", 0.0) for n, x in ((prefill, P), (decode, D))}
@@ -139,7 +145,7 @@ def check_pair(instances: dict[str, Any], prefill: str, decode: str, seed: int,
 
 
 def test_tp2_to_tp2(instances: dict[str, Any]) -> None:
-    check_pair(instances, "P2", "D2", seed=11)
+    check_pair(instances, "P2", "D2", seed=11, decode_tp=2, unlike=False)
 
 
 def test_tp2_to_tp1_block_ratio_2(instances: dict[str, Any]) -> None:
@@ -147,7 +153,7 @@ def test_tp2_to_tp1_block_ratio_2(instances: dict[str, Any]) -> None:
 
 
 def test_tp1_to_tp2(instances: dict[str, Any]) -> None:
-    check_pair(instances, "P1", "D2", seed=13)
+    check_pair(instances, "P1", "D2", seed=13, decode_tp=2)
 
 
 def test_block_ratio_2(instances: dict[str, Any]) -> None:
