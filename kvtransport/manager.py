@@ -309,6 +309,50 @@ class CommManager:
         st.put(seq_id, chosen, runs)
         self._after_put(st, seq_id, chosen, runs, len(src_block_ids))
 
+    def put_runs(
+        self,
+        peer: Peer,
+        seq_id: SeqId,
+        layers: Sequence[int] | None,
+        runs: Sequence[BlockRun | tuple[int, int, int]],
+    ) -> None:
+        """:meth:`put_layers` with the runs given instead of block id pairs: ``(src, dst, count)`` copies blocks
+        ``src..src+count-1`` into the peer's ``dst..dst+count-1``. For callers that computed their runs
+        themselves (:mod:`kvtransport.reshard`: units of unlike peers). Validated first (InvalidBlockIds,
+        nothing moved): counts >= 1, every block inside both layouts, no destination block written twice.
+        Asynchronous; same errors as :meth:`put_layer`."""
+        st = self._outbound_state(peer)
+        chosen = checks.layer_list(layers, self.layout.num_layers)
+        wire.check_seq_id(seq_id)
+        checked = self._checked_runs(runs, peer.layout.num_blocks)
+        if not checked or not chosen:
+            return
+        st.put(seq_id, chosen, checked)
+        self._after_put(st, seq_id, chosen, checked, sum(r.count for r in checked))
+
+    def _checked_runs(self, runs: Any, dst_blocks: int) -> tuple[BlockRun, ...]:
+        if isinstance(runs, str | bytes | bytearray | dict) or not hasattr(runs, "__iter__"):
+            raise InvalidBlockIds(f"runs must be a sequence of (src, dst, count), got {type(runs).__name__}")
+        out: list[BlockRun] = []
+        for r in runs:
+            try:
+                s, d, c = (int(x) if type(x) is int or _int_like(x) else _not_int(x) for x in r)
+            except (TypeError, ValueError):
+                raise InvalidBlockIds(f"a run must be three integers (src, dst, count), got {r!r}") from None
+            if c < 1 or s < 0 or d < 0:
+                raise InvalidBlockIds(f"run {r!r}: ids must be >= 0 and count >= 1")
+            if s + c > self.layout.num_blocks:
+                raise InvalidBlockIds(f"run {r!r} reads beyond the sender's {self.layout.num_blocks} blocks")
+            if d + c > dst_blocks:
+                raise InvalidBlockIds(f"run {r!r} writes beyond the receiver's {dst_blocks} blocks")
+            out.append(BlockRun(s, d, c))
+        end = -1
+        for r in sorted(out, key=lambda r: r.dst):
+            if r.dst < end:
+                raise InvalidBlockIds(f"destination block {r.dst} is written twice; each is written once")
+            end = r.dst + r.count
+        return tuple(out)
+
     def _after_put(self, st: _Outbound, seq_id: SeqId, layers: tuple[int, ...], runs: tuple[BlockRun, ...],
                    nblocks: int) -> None:
         """Checksums (debug) and counters of an issued put of ``layers``."""
@@ -1529,3 +1573,12 @@ class _Outbound:
                         self.link.doorbell.doorbell_unmap(self._bell_host)
                     except Exception as exc:
                         log.warning("doorbell unmap failed: %s", exc)
+
+
+def _int_like(x: object) -> bool:
+    """numpy integer scalars pass; bool, float and str do not."""
+    return hasattr(x, "__index__") and not isinstance(x, bool) and type(x).__name__.startswith(("int", "uint"))
+
+
+def _not_int(x: object) -> int:
+    raise TypeError(f"not an integer: {x!r}")

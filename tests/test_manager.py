@@ -425,3 +425,18 @@ def test_side_channel_sockets_probe_a_silent_peer_within_bounds():
     finally:
         a.close()
         b.close()
+
+
+def test_put_runs_moves_exactly_the_runs_given(pair):
+    s, r, src, dst = pair
+    peer = s.connect(r.metadata())
+    for bad in ([(0, 0, 0)], [(-1, 0, 1)], [(15, 0, 2)], [(0, 15, 2)], [(0, 0, 2), (5, 1, 1)], [(0, 0, True)],
+                [(0, 0)], "abc", [(0.5, 1, 1)]):
+        with pytest.raises(kt.InvalidBlockIds):
+            s.put_runs(peer, "r1", None, bad)
+    assert not dst.backing.any()  # validation moved nothing
+    s.put_runs(peer, "r1", [1], [kt.BlockRun(3, 0, 2), (np.int64(9), 5, 1)])
+    s.signal(peer, "r1")
+    r.wait("r1", timeout=5)
+    assert verify_transfer(dst, src, {0: [], 1: [(3, 0), (4, 1), (9, 5)], 2: []}) == []
+    assert s.stats()["bytes_sent"] == 3 * src.layout.layers[1].block_bytes

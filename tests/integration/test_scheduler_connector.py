@@ -356,6 +356,8 @@ def test_fanout_two_destinations(pair) -> None:
 
 
 def test_incompatible_peer_is_refused(pair) -> None:
+    """Without workers' unit layouts (no worker metadata here: the block layout) another block size cannot be
+    mapped: the prefill refuses the decode at the handshake and the decode learns which field differs."""
     pr = pair(d_block_size=32)
     _, dparams = pr.push_params("incompat")
     dreq = make_request(list(range(40)), params=dparams, block_size=32)
@@ -366,7 +368,7 @@ def test_incompatible_peer_is_refused(pair) -> None:
         pr.d.update_from_output(so, empty_output())
         reasons = plan_of(so).recv_fail
         if dreq.request_id in reasons:
-            assert "block_size" in reasons[dreq.request_id]
+            assert reasons[dreq.request_id].endswith("incompatible KV caches, fields that differ: kv_cache")
             return True
         return False
     wait_until(failed)
@@ -899,3 +901,86 @@ def test_first_token_flow_with_a_partial_prefix_hit_and_an_early_token(pair) -> 
     assert so.num_scheduled_tokens == {dreq.request_id: 1}
     pr.d.update_from_output(so, runner_output([dreq], token=9))
     assert list(dreq.prompt_token_ids) == [*prompt, 55] and list(dreq.output_token_ids) == [9]
+
+
+def test_unlike_block_size_is_pushed_as_token_ranges(pair) -> None:
+    """Both sides' workers hold unit layouts (``kv_order``): a decode with another block size is accepted, told
+    to the workers with its geometry, and its KV planned as token ranges over each side's own blocks."""
+    import kvtransport
+    from kvtransport.testing.cache import CacheSpec, HostCache
+
+    pr = pair(d_block_size=32)
+    with kvtransport.open(HostCache(CacheSpec(1, 4, 1, 2, 4)).layout, backend="inproc") as cm:
+        meta = cm.metadata()
+    pr.pc.set_worker_metadata({0: {"instance": "p-w0", "metadata": meta, "kv_order": "HN"}})
+    pr.dc.set_worker_metadata({0: {"instance": "d-w0", "metadata": meta, "kv_order": "HN"}})
+    prompt = list(range(2000, 2040))
+    pparams, dparams = pr.push_params("unlike")
+    dreq = make_request(prompt, params=dparams, block_size=32)
+    _decode_admit(pr, dreq)
+    dst_blocks = pr.d.kv_cache_manager.get_block_ids(dreq.request_id)[0]
+    preq = make_request(prompt, params=pparams, max_tokens=1)
+    pr.p.add_request(preq)
+    pr.prefill_sees_dsts("unlike")
+    so = pr.p.schedule()
+    plan = plan_of(so)
+    src_blocks = pr.p.kv_cache_manager.get_block_ids(preq.request_id)[0]
+    assert plan.peer_geometry == {pr.dc.engine_id: {"tp_size": 1, "block_size": 32, "kv_order": "HN"}}
+    assert len(plan.layer_pushes) == 1
+    push = plan.layer_pushes[0]
+    assert (push.start, push.stop, push.src_first, push.dst_first, push.final) == (0, 40, 0, 0, True)
+    assert list(push.src) == list(src_blocks[:3]) and list(push.dst) == list(dst_blocks[:2])
+    pr.p.update_from_output(so, runner_output([preq]))
+    so = pr.p.schedule()
+    assert plan_of(so).send_release == [preq.request_id]
+    pr.p.update_from_output(so, empty_output(sending={preq.request_id}))
+    assert_no_leaks(pr.p)
+
+
+def test_pipeline_parallel_is_refused_with_our_message(tiny_model: str) -> None:
+    from kvtransport_vllm.connector import check_parallel
+
+    cfg = make_config(tiny_model, role="kv_producer")
+    check_parallel(cfg)  # PP=1 passes
+    cfg.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ValueError, match=r"does not support pipeline parallelism \(pipeline_parallel_size=2\): run "
+                                         r"the prefill and decode instances with pipeline_parallel_size=1"):
+        check_parallel(cfg)
+
+
+def test_compatibility_still_refuses_model_dtype_and_head_size(tiny_model: str) -> None:
+    """TP size and block size left the hashed fields; dtype, head size and the model stay, named when they differ."""
+    from kvtransport_vllm.connector import _compat_fields
+    from kvtransport_vllm.protocol import compat_hash, describe_mismatch
+
+    a = _compat_fields(make_config(tiny_model, role="kv_producer"), None)
+    b = _compat_fields(make_config(tiny_model, role="kv_consumer", block_size=32), None)
+    assert "tp_size" not in a and "block_size" not in a and compat_hash(a) == compat_hash(b)
+    assert (a["dtype"], a["head_size"], a["num_kv_heads"]) == ("float32", 64, 2)
+    for key, other in (("dtype", "bfloat16"), ("head_size", 128), ("model", "other-model")):
+        c = {**a, key: other}
+        assert compat_hash(c) != compat_hash(a)
+        assert describe_mismatch(a, c) == f"{key}: ours={a[key]!r} peer={other!r}"
+
+
+def test_kv_cache_groups_the_connector_cannot_move_are_refused_by_name() -> None:
+    from types import SimpleNamespace
+
+    import torch
+    from kvtransport_vllm.connector import check_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=48)
+    cfg = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=window, layer_names=["l0", "l2"]),
+                                           SimpleNamespace(kv_cache_spec=full, layer_names=["l1"])])
+    assert check_groups(cfg) == {"l0": 0, "l2": 0, "l1": 1}
+    assert check_groups(None) == {}
+
+    class MambaSpec:  # stands for vLLM's (only its name and block size are read)
+        block_size = 16
+
+    cfg.kv_cache_groups.append(SimpleNamespace(kv_cache_spec=MambaSpec(), layer_names=["m3"]))
+    with pytest.raises(ValueError, match=r"cannot move KV cache group 2 \(MambaSpec, layers \['m3'\]\): it moves full "
+                                         r"and sliding-window attention KV only; Mamba/SSM state is not supported"):
+        check_groups(cfg)

@@ -19,8 +19,11 @@ def words() -> list[str]:
     return SPECIAL + [f"w{i}" for i in range(len(SPECIAL), VOCAB)]
 
 
-def make_tiny_llama(path: str | Path, *, seed: int = 0, layers: int = 2) -> Path:
-    """Write config, weights and tokenizer to ``path`` (idempotent: skips when config.json exists)."""
+def make_tiny_llama(path: str | Path, *, seed: int = 0, layers: int = 2, sliding_window: int | None = None) -> Path:
+    """Write config, weights and tokenizer to ``path`` (idempotent: skips when config.json exists).
+
+    ``sliding_window``: every other layer attends to that many tokens only (``layer_types``, as Gemma 2 or
+    GPT-OSS do; vLLM's Llama reads them), so vLLM's hybrid allocator makes two KV cache groups."""
     out = Path(path)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out
@@ -35,6 +38,9 @@ def make_tiny_llama(path: str | Path, *, seed: int = 0, layers: int = 2) -> Path
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
         bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False, torch_dtype="float32",
     )
+    if sliding_window is not None:
+        cfg.layer_types = ["sliding_attention", "full_attention"] * (layers // 2) + ["full_attention"] * (layers % 2)
+        cfg.sliding_window = sliding_window
     model = LlamaForCausalLM(cfg)
     model.to(torch.float32).save_pretrained(out)
     vocab = {w: i for i, w in enumerate(words())}

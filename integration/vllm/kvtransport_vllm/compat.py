@@ -58,6 +58,8 @@ def check_version(text: str) -> tuple[int, int]:
 VLLM_VERSION = check_version(str(getattr(vllm, "__version__", "")))
 
 KVConnectorBase_V1 = _base.KVConnectorBase_V1
+SupportsHMA: Any = getattr(_base, "SupportsHMA", None)
+"""vLLM's marker for connectors that take several KV cache groups (hybrid allocator); None where absent."""
 KVConnectorHandshakeMetadata = _base.KVConnectorHandshakeMetadata
 KVConnectorMetadata = _base.KVConnectorMetadata
 KVConnectorRole = _base.KVConnectorRole
@@ -122,6 +124,7 @@ __all__ = [
     "KVConnectorRole",
     "KVConnectorTransferResults",
     "KVConnectorWorkerMetadata",
+    "SupportsHMA",
     "block_dim",
     "check_version",
     "parse_version",

@@ -25,6 +25,7 @@ from .compat import (
     KVConnectorRole,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
     role_of_extra_config,
 )
 from .config import requires_layerwise, resolve_settings
@@ -77,10 +78,33 @@ class KVTransportWorkerMeta(KVConnectorWorkerMetadata):
         return self
 
 
+def _cpu_attention() -> bool:
+    """Whether this worker's attention is vLLM's CPU backend (it lays out block interiors its own way)."""
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+    except Exception:
+        return False
+
+
+PP_UNSUPPORTED = ("KVTransportConnector does not support pipeline parallelism (pipeline_parallel_size={pp}): "
+                  "run the prefill and decode instances with pipeline_parallel_size=1 (their tensor_parallel_size "
+                  "may differ)")
+
+
+def check_parallel(vllm_config: VllmConfig) -> None:
+    """Refuse what the connector cannot serve, at start-up, with our own message (ValueError)."""
+    pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+    if pp > 1:
+        raise ValueError(PP_UNSUPPORTED.format(pp=pp))
+
+
 def _compat_fields(vllm_config: VllmConfig, model_id: str | None) -> dict[str, Any]:
+    """What must be equal on both sides (hashed; a peer that differs is refused, told which fields differ). TP
+    size, block size and the head order may differ: the workers map them (:mod:`kvtransport.reshard`)."""
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
-    info: dict[str, Any] = {"connector": __version__, "block_size": cc.block_size,
-                            "cache_dtype": str(cc.cache_dtype), "tp_size": pc.tensor_parallel_size}
+    info: dict[str, Any] = {"connector": __version__, "cache_dtype": str(cc.cache_dtype)}
     if mc is not None:
         info.update(
             model=model_id or str(mc.model).rstrip("/").split("/")[-1],
@@ -93,7 +117,37 @@ def _compat_fields(vllm_config: VllmConfig, model_id: str | None) -> dict[str, A
     return info
 
 
-class KVTransportConnector(KVConnectorBase_V1):
+SUPPORTED_GROUPS = ("FullAttentionSpec", "SlidingWindowSpec")
+"""KV cache group kinds whose blocks the connector moves (exact class names)."""
+
+
+def check_groups(kv_cache_config: KVCacheConfig | None) -> dict[str, int]:
+    """Layer name -> KV cache group, after refusing (ValueError, at start-up) groups the connector cannot move:
+    anything but full and sliding-window attention (e.g. Mamba/SSM state), and groups of unlike block sizes."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    out: dict[str, int] = {}
+    sizes = set()
+    for g, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        kind = type(spec).__name__
+        if kind not in SUPPORTED_GROUPS:
+            what = "Mamba/SSM state" if "Mamba" in kind else f"{kind} caches"
+            raise ValueError(
+                f"KVTransportConnector cannot move KV cache group {g} ({kind}, layers {list(group.layer_names)[:4]}):"
+                f" it moves full and sliding-window attention KV only; {what} is not supported. Serve this model "
+                "without disaggregation, or without KVTransportConnector")
+        sizes.add(int(spec.block_size))
+        for name in group.layer_names:
+            out[name] = g
+    if len(sizes) > 1:
+        raise ValueError(f"KVTransportConnector needs one block size for every KV cache group, got {sorted(sizes)}")
+    return out
+
+
+_BASES: tuple[type, ...] = (KVConnectorBase_V1, SupportsHMA) if SupportsHMA is not None else (KVConnectorBase_V1,)
+
+
+class KVTransportConnector(*_BASES):  # type: ignore[misc]
     """See the module docstring. vLLM constructs one per role and process."""
 
     if P2P_CACHE_HIT_SOURCE is not None:  # vLLM 0.32+: decode prompt tokens counted as "p2p" hits
@@ -109,14 +163,15 @@ class KVTransportConnector(KVConnectorBase_V1):
         self._sched: SchedulerSide | None = None
         self._worker: Any = None
         self._load_errors: set[int] = set()
+        check_parallel(vllm_config)
+        layer_groups = check_groups(kv_cache_config)
+        num_groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or [None])
         if role == KVConnectorRole.SCHEDULER:
-            if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
-                raise ValueError("KVTransportConnector supports models with one KV cache group only")
             self._sched = SchedulerSide(
                 settings=self.settings, engine_id=self.engine_id, block_size=vllm_config.cache_config.block_size,
                 producer=ktc.is_kv_producer, consumer=ktc.is_kv_consumer,
                 compat_info=_compat_fields(vllm_config, self.settings.model_id),
-                tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                tp_size=vllm_config.parallel_config.tensor_parallel_size, num_groups=num_groups,
             )
         else:
             from .worker import WorkerSide
@@ -128,8 +183,11 @@ class KVTransportConnector(KVConnectorBase_V1):
             except Exception:  # parallel state not initialised (unit tests)
                 rank = 0
             num_blocks = getattr(kv_cache_config, "num_blocks", None) or vllm_config.cache_config.num_gpu_blocks
+            mc = vllm_config.model_config
             self._worker = WorkerSide(settings=self.settings, engine_id=self.engine_id, tp_rank=rank,
-                                      num_blocks=num_blocks)
+                                      num_blocks=num_blocks, tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                                      num_kv_heads=mc.get_total_num_kv_heads() if mc is not None else None,
+                                      cpu_attn=_cpu_attention(), layer_groups=layer_groups)
 
     # ------------------------------------------------------------------ class-level
     @classmethod
@@ -247,6 +305,12 @@ class KVTransportConnector(KVConnectorBase_V1):
         self._sched.update_connector_output(fails, connector_output.finished_recving)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        return self._sched.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...],
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM with the hybrid allocator (SupportsHMA): the request's blocks of every KV cache group."""
         assert self._sched is not None
         return self._sched.request_finished(request, block_ids)
 

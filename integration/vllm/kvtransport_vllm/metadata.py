@@ -7,6 +7,9 @@ imports nothing from vLLM so the scheduler logic can be unit-tested on its own.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from kvtransport.coalesce import BlockRun
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,12 @@ class Push:
     whole push (``StepPlan.whole_pushes``) puts and signals every layer at once, right after the forward.
     ``delay`` (test-only, ``debug_push_delay``): seconds the worker holds back the sequence's final signal (it
     keeps serving other requests meanwhile; the prefill request is released after that signal).
+
+    Unlike peers (other TP size, block size or head order: ``StepPlan.peer_geometry``) get a token range instead
+    of block pairs: tokens ``[start, stop)``, ``src`` holding the prefill's tokens from ``src_first`` on, ``dst``
+    the decode's from ``dst_first`` on. The worker expands such a push into one push per destination rank it
+    serves (``rank``, ``runs``: :mod:`kvtransport.reshard` units; ``seq`` then names that rank's part, ``base``
+    the decode request).
     """
 
     req_id: str
@@ -28,6 +37,20 @@ class Push:
     dst: tuple[int, ...]
     final: bool = True
     delay: float = 0.0
+    start: int = -1
+    """First token (unlike peers); -1: like-for-like, ``src[i]`` goes to ``dst[i]`` on the same rank."""
+    stop: int = 0
+    src_first: int = 0
+    dst_first: int = 0
+    rank: int = -1
+    """(worker) destination tp rank; -1: ours."""
+    runs: tuple[BlockRun, ...] | None = None
+    """(worker) the unit runs to put; None: the block pairs."""
+    base: str = ""
+    """(worker) the decode request ``seq`` is a part of; empty: ``seq`` itself."""
+    group: int = 0
+    """The KV cache group whose layers this push fills (hybrid models: e.g. full and sliding-window attention).
+    Only group 0's pushes signal the sequence; the others' come first."""
 
 
 @dataclass
@@ -36,6 +59,8 @@ class StepPlan:
 
     peers: dict[str, dict[int, bytes]] = field(default_factory=dict)
     """decode engine id -> tp rank -> kvtransport metadata (only engines the workers have not seen yet)."""
+    peer_geometry: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """decode engine id -> its ``tp_size``, ``block_size``, ``kv_order`` (sent with ``peers``)."""
     layer_pushes: list[Push] = field(default_factory=list)
     whole_pushes: list[Push] = field(default_factory=list)
     send_release: list[str] = field(default_factory=list)

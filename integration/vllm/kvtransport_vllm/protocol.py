@@ -40,6 +40,8 @@ MAX_IDS = 4096
 MAX_BLOCKS = 1 << 20
 """Block ids in one destination."""
 MAX_ID_CHARS = 512
+MAX_GROUPS = 16
+"""KV cache groups beyond the first in one destination (hybrid models)."""
 REFUSED = "refused: this peer did not prove KV_TRANSPORT_SECRET (set the same secret on both sides)"
 _HEADER = struct.Struct("!I")
 
@@ -187,8 +189,13 @@ def check_message(msg: Mapping[str, Any]) -> dict[str, Any]:
             if not isinstance(d, dict):
                 raise MalformedMessage("a destination must be an object")
             blocks = [_count(b, "block id", 1 << 40) for b in _items(d.get("blocks"), "blocks", MAX_BLOCKS)]
-            dsts.append({"seq": _ident(d.get("seq"), "seq"), "blocks": blocks,
-                         "offset": _count(d.get("offset", 0), "offset", 1 << 40)})
+            groups = [[_count(b, "block id", 1 << 40) for b in _items(g, "blocks", MAX_BLOCKS)]
+                      for g in _items(d.get("groups", []), "groups", MAX_GROUPS)]
+            dst = {"seq": _ident(d.get("seq"), "seq"), "blocks": blocks,
+                   "offset": _count(d.get("offset", 0), "offset", 1 << 40)}
+            if groups:  # hybrid models: the blocks of KV cache groups 1.., aligned with ``blocks``
+                dst["groups"] = groups
+            dsts.append(dst)
         return {"type": "dst", "xfer": xfer, "mode": mode, "dsts": dsts}
     if mtype == "cancel":
         return {"type": "cancel", "xfer": xfer, "mode": mode,

@@ -50,6 +50,8 @@ MAX_ORPHANS = 4096
 MAX_ORPHANS_PER_ENGINE = 1024
 """Of those, what one decode engine may hold (one engine cannot take every place)."""
 PREFILL_LOST = "prefill lost: "  # prefix of recv_fail reasons caused by a lost prefill (the worker counts them)
+NULL_BLOCK = 0
+"""vLLM's null block: a sliding window's blocks that left the window point at it (never moved)."""
 _CHILD = re.compile(r"^\d+_")
 
 
@@ -65,6 +67,8 @@ class _Dst:
     blocks: list[int]
     offset: int
     pushed_upto: int = 0  # absolute prompt-block index below which layer-wise pushes are issued (full blocks)
+    pushed_tok: int = 0  # unlike peers: prompt tokens below this were pushed
+    extra: list[list[int]] = field(default_factory=list)  # KV cache groups 1.. : their blocks, aligned with blocks
     final_sent: bool = False
     cancelled: bool = False
 
@@ -82,6 +86,7 @@ class _Source:
     fanout: int  # destinations expected (n of the decode request; pull mode: 1 unless the proxy said)
     prompt_len: int
     blocks: list[int] = field(default_factory=list)
+    extra: list[list[int]] = field(default_factory=list)  # KV cache groups 1.. (hybrid models), aligned with blocks
     computed: int = 0
     dsts: list[_Dst] = field(default_factory=list)
     msgs: int = 0
@@ -151,13 +156,14 @@ class SchedulerSide:
     """See the module docstring. Constructed by the connector for ``KVConnectorRole.SCHEDULER``."""
 
     def __init__(self, *, settings: ConnectorSettings, engine_id: str, block_size: int, producer: bool,
-                 consumer: bool, compat_info: dict[str, Any], tp_size: int = 1) -> None:
+                 consumer: bool, compat_info: dict[str, Any], tp_size: int = 1, num_groups: int = 1) -> None:
         self.settings = settings
         self.engine_id = engine_id
         self.block_size = block_size
         self.producer = producer
         self.consumer = consumer
         self.tp_size = tp_size
+        self.num_groups = num_groups  # KV cache groups (hybrid models: full and sliding-window attention)
         self._base_compat = dict(compat_info)
         self.worker_meta: dict[int, dict[str, Any]] = {}
         self.inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
@@ -185,6 +191,8 @@ class SchedulerSide:
         self.family_size: dict[str, int] = {}
         self.family_asked: dict[str, int] = {}
         self.peer_workers: dict[str, dict[int, bytes]] = {}
+        self.peer_geometry: dict[str, dict[str, Any]] = {}  # decode engine -> tp_size, block_size, kv_order
+        self.unmappable: dict[str, str] = {}  # decode engine -> why its KV cache cannot take ours
         self.holds: dict[str, tuple[float, set[str]]] = {}  # xfer -> (expiry, engines): renewed before registered
         self.counters: dict[str, int] = {"lease_expirations": 0, "decode_disconnects": 0, "dst_wait_timeouts": 0,
                                          "first_tokens_sent": 0, "first_tokens_received": 0}
@@ -223,6 +231,11 @@ class SchedulerSide:
     def compat_info(self) -> dict[str, Any]:
         info = dict(self._base_compat)
         w0 = self.worker_meta.get(0)
+        # a unit layout maps onto any other TP size, block size and head order; a block layout (no worker
+        # metadata yet, or caches not dense per layer) serves like-for-like peers only
+        info["kv_cache"] = ("units (TP size, block size and head order are mapped)" if (w0 or {}).get("kv_order")
+                            else f"blocks of tp_size {self.tp_size} and block_size {self.block_size} (like-for-like "
+                                 "peers only)")
         if w0 is not None:
             info["backend"] = w0.get("backend")
             info["layout_hash"] = w0.get("layout_hash")
@@ -234,6 +247,18 @@ class SchedulerSide:
         Thread-safe (read-only)."""
         return {str(r): str(m["instance"]) for r, m in self.worker_meta.items() if isinstance(m.get("instance"), str)}
 
+    def geometry(self) -> dict[str, Any]:
+        """What may differ between peers and is mapped (TP size, block size, head order); not hashed."""
+        w0 = self.worker_meta.get(0) or {}
+        return {"tp_size": self.tp_size, "block_size": self.block_size, "kv_order": w0.get("kv_order")}
+
+    def _unlike(self, engine: str) -> dict[str, Any] | None:
+        """Decode ``engine``'s geometry when it differs from ours (its KV is then mapped by token ranges)."""
+        geo = self.peer_geometry.get(engine)
+        if geo is None or geo == self.geometry():
+            return None
+        return geo
+
     def compat(self) -> tuple[str, dict[str, Any]]:
         """(hash, fields) both sides must agree on. Thread-safe (read-only)."""
         info = self.compat_info()
@@ -242,7 +267,7 @@ class SchedulerSide:
     def hello(self) -> dict[str, Any]:
         h, info = self.compat()
         return {"type": "hello", "version": PROTOCOL_VERSION, "engine_id": self.engine_id, "compat": h,
-                "compat_info": info, "tp_size": self.tp_size,
+                "compat_info": info, "tp_size": self.tp_size, "geometry": self.geometry(),
                 "workers": {str(r): b64(m["metadata"]) for r, m in self.worker_meta.items()}}
 
     def discovery_params(self) -> dict[str, Any]:
@@ -381,9 +406,19 @@ class SchedulerSide:
             self._outgoing[addr].append({"type": "cancel", "xfer": xfer, "seqs": [], "count": 1, "mode": mode})
             if num_external_tokens <= 0:
                 return
-        all_ids = list(blocks.get_block_ids()[0])
-        unhashed = list(blocks.get_unhashed_block_ids())
-        offset = len(all_ids) - len(unhashed)
+        ids = blocks.get_block_ids()
+        all_ids = list(ids[0])
+        if len(ids) > 1:
+            # hybrid: every group's list covers the same token blocks (a sliding window's skipped ones are the null
+            # block, left out of the unhashed lists); the new blocks are the trailing ones of a full-attention
+            # group, the most of any group
+            new = max(len(g) for g in blocks.get_unhashed_block_ids_all_groups())
+            offset = len(all_ids) - new
+            unhashed = all_ids[offset:]
+        else:
+            unhashed = list(blocks.get_unhashed_block_ids())
+            offset = len(all_ids) - len(unhashed)
+        extra = [list(g[offset:offset + len(unhashed)]) for g in ids[1:]]
         self.recvs[rid] = _Recv(rid, xfer, addr, time.monotonic())
         self._recv_start[rid] = self.settings.transfer_timeout
         first = self.first_waits.get(rid)
@@ -398,10 +433,13 @@ class SchedulerSide:
             self._recv_fail[rid] = doomed
             self.wanted.pop(rid, None)
             return
-        self._outgoing[addr].append({"type": "dst", "xfer": xfer, "mode": mode,
-                                     "dsts": [{"seq": rid, "blocks": unhashed, "offset": offset}]})
+        dst: dict[str, Any] = {"seq": rid, "blocks": unhashed, "offset": offset}
+        if extra:
+            dst["groups"] = extra
+        self._outgoing[addr].append({"type": "dst", "xfer": xfer, "mode": mode, "dsts": [dst]})
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Any, block_ids: list[int] | tuple[list[int], ...],
+                         ) -> tuple[bool, dict[str, Any] | None]:
         """Prefill: keep the blocks (True) until the workers pushed them; returns NIXL-compatible
         ``kv_transfer_params`` for the decode side. Decode: cancel an outstanding transfer."""
         rid = request.request_id
@@ -430,12 +468,15 @@ class SchedulerSide:
             return False, None
         status = getattr(request.status, "name", str(request.status))
         trace.event("p.finished", src.xfer, req=rid)
+        groups = _groups(block_ids)
+        block_ids = groups[0]
         if status in FINISHED_OK and block_ids:
             if src.first_token and src.first is None and request.num_output_tokens > 0:
                 src.first = int(request.output_token_ids[0])
                 self._tell_first(src)
             src.complete = True
             src.blocks = list(block_ids)
+            src.extra = groups[1:]
             src.computed = max(src.computed, min(request.num_computed_tokens, src.prompt_len))
             src.lease_until = max(src.lease_until, time.monotonic() + self.settings.lease)
             src.delay_freed = True
@@ -485,6 +526,8 @@ class SchedulerSide:
             plan.send_release, self._releases = self._releases, []
             for eng in self._new_peers:
                 plan.peers[eng] = self.peer_workers[eng]
+                if eng in self.peer_geometry:
+                    plan.peer_geometry[eng] = dict(self.peer_geometry[eng])
             self._new_peers.clear()
         if self.consumer:
             self._renew(now)
@@ -582,9 +625,7 @@ class SchedulerSide:
             if kind == "hello":
                 _, engine, hello = ev
                 workers = hello["workers"]  # rank -> metadata bytes, validated by the side channel (check_hello)
-                if hello.get("tp_size", 1) != self.tp_size:
-                    log.error("decode engine %s has tp_size %s, ours %s: only equal TP sizes are supported",
-                              engine, hello.get("tp_size"), self.tp_size)
+                self._take_geometry(engine, hello)
                 self.peer_workers[engine] = workers
                 self._new_peers.add(engine)
             elif kind == "msg":
@@ -630,6 +671,38 @@ class SchedulerSide:
         for xfer in [x for x, (dl, _) in self.holds.items() if dl <= now]:
             del self.holds[xfer]
 
+    def _take_geometry(self, engine: str, hello: dict[str, Any]) -> None:
+        """Record decode ``engine``'s geometry from its hello; an unlike one whose KV we cannot map (a cache
+        layout that serves like-for-like peers only, on either side) is remembered as unmappable, with why."""
+        raw = hello.get("geometry")
+        geo: dict[str, Any] = {"tp_size": int(hello.get("tp_size") or 1), "block_size": self.block_size,
+                               "kv_order": None}
+        if isinstance(raw, dict):
+            bs, order = raw.get("block_size"), raw.get("kv_order")
+            geo["block_size"] = bs if isinstance(bs, int) and 0 < bs <= 1 << 20 else -1
+            geo["kv_order"] = order if order in ("HN", "NH", "CPU") else None
+        self.peer_geometry[engine] = geo
+        self.unmappable.pop(engine, None)
+        mine = self.geometry()
+        if geo == mine:
+            return
+        why = []
+        if geo["tp_size"] != mine["tp_size"]:
+            why.append(f"tp_size {geo['tp_size']} (ours {mine['tp_size']})")
+        if geo["block_size"] != mine["block_size"]:
+            why.append(f"block_size {geo['block_size']} (ours {mine['block_size']})")
+        if geo["kv_order"] != mine["kv_order"]:
+            why.append(f"KV head order {geo['kv_order']} (ours {mine['kv_order']})")
+        if mine["kv_order"] is None or geo["kv_order"] is None or geo["block_size"] < 1:
+            self.unmappable[engine] = (
+                f"decode engine {engine} differs in {', '.join(why)}, and the KV cache layout of "
+                f"{'this prefill' if mine['kv_order'] is None else 'that decode'} (not dense per layer, e.g. "
+                "cross-layer blocks) serves like-for-like peers only")
+            log.error("kvtransport: %s", self.unmappable[engine])
+        else:
+            log.info("kvtransport: decode engine %s differs in %s: its KV is mapped (kvtransport.reshard)", engine,
+                     ", ".join(why))
+
     def _answer_now(self, engine: str, msg: dict[str, Any]) -> dict[str, Any] | None:
         """Side-channel reader thread: a destination for a transfer this prefill already freed is refused at
         once — an idle engine would only see it at its next step (minutes, or the decode's timeout). Reads
@@ -670,7 +743,18 @@ class SchedulerSide:
             self._renewed(engine, [str(x) for x in msg.get("xfers", [])], now)
             return
         if mtype == "dst":
-            dsts = [_Dst(engine, d["seq"], d["blocks"], d["offset"]) for d in msg.get("dsts", [])]
+            dsts = [_Dst(engine, d["seq"], d["blocks"], d["offset"], extra=list(d.get("groups", [])))
+                    for d in msg.get("dsts", [])]
+            if engine in self.unmappable:
+                for d in dsts:
+                    self._send_fail(engine, [d.seq], self.unmappable[engine])
+                return
+            for d in [d for d in dsts if len(d.extra) != self.num_groups - 1]:
+                self._send_fail(engine, [d.seq], f"KV cache groups differ: decode {len(d.extra) + 1}, prefill "
+                                                 f"{self.num_groups} (run both with the same model and HMA setting)")
+            dsts = [d for d in dsts if len(d.extra) == self.num_groups - 1]
+            if not dsts:
+                return
             foreign = self._foreign(engine, xfer, [d.seq for d in dsts])
             for seq in sorted(foreign):
                 self._send_fail(engine, [seq], f"request {seq} of transfer {xfer} belongs to another decode engine")
@@ -770,6 +854,7 @@ class SchedulerSide:
             src = self.src_by_req.get(nd.req_id)
             if src is not None:
                 src.blocks = list(nd.block_ids[0]) if nd.block_ids else []
+                src.extra = [list(g) for g in nd.block_ids[1:]] if nd.block_ids else []
                 self._advance(src, nd.num_computed_tokens, so.num_scheduled_tokens.get(nd.req_id, 0), layerwise, plan)
         cached = so.scheduled_cached_reqs
         resumed: set[str] = getattr(cached, "resumed_req_ids", None) or set()
@@ -780,11 +865,16 @@ class SchedulerSide:
             new_ids = cached.new_block_ids[i]
             if rid in resumed:
                 src.blocks = list(new_ids[0]) if new_ids else []
+                src.extra = [list(g) for g in new_ids[1:]] if new_ids else []
                 for d in src.dsts:  # preempted: recomputed from scratch, so re-push everything
                     if not d.final_sent:
                         d.pushed_upto = d.offset
             elif new_ids:
                 src.blocks.extend(new_ids[0])
+                for g, more in enumerate(new_ids[1:]):
+                    while len(src.extra) <= g:
+                        src.extra.append([])
+                    src.extra[g].extend(more)
             self._advance(src, cached.num_computed_tokens[i], so.num_scheduled_tokens.get(rid, 0), layerwise, plan)
 
     def _advance(self, src: _Source, before: int, scheduled: int, layerwise: bool, plan: StepPlan) -> None:
@@ -802,11 +892,16 @@ class SchedulerSide:
         for d in src.dsts:
             if d.final_sent or d.cancelled:
                 continue
+            geo = self._unlike(d.engine)
+            if geo is not None:
+                self._push_tokens(src, d, geo, d.pushed_tok, after, final, plan.layer_pushes)
+                continue
             end = min(upto, d.offset + len(d.blocks), len(src.blocks))
             lo = d.pushed_upto
             if end > lo:
-                plan.layer_pushes.append(Push(src.req_id, d.seq, d.engine, tuple(src.blocks[lo:end]),
-                                              tuple(d.blocks[lo - d.offset:end - d.offset]), final,
+                self._group_pushes(src, d, lo, end, final, plan.layer_pushes)
+                s_ids, d_ids = self._pairs(src.blocks[lo:end], d.blocks[lo - d.offset:end - d.offset])
+                plan.layer_pushes.append(Push(src.req_id, d.seq, d.engine, s_ids, d_ids, final,
                                               self._delay(src) if final else 0.0))
                 src.puts_issued = True
             elif final:  # nothing left to put, still signal
@@ -822,9 +917,15 @@ class SchedulerSide:
                 for d in src.dsts:
                     if d.final_sent or d.cancelled:
                         continue
+                    geo = self._unlike(d.engine)
+                    if geo is not None:
+                        self._push_tokens(src, d, geo, 0, src.prompt_len, True, self._whole)
+                        src.puts_issued = True
+                        continue
                     n = max(0, min(len(d.blocks), n_src - d.offset, len(src.blocks) - d.offset))
-                    self._whole.append(Push(src.req_id, d.seq, d.engine, tuple(src.blocks[d.offset:d.offset + n]),
-                                            tuple(d.blocks[:n]), True, self._delay(src)))
+                    self._group_pushes(src, d, d.offset, d.offset + n, True, self._whole)
+                    s_ids, d_ids = self._pairs(src.blocks[d.offset:d.offset + n], d.blocks[:n])
+                    self._whole.append(Push(src.req_id, d.seq, d.engine, s_ids, d_ids, True, self._delay(src)))
                     d.final_sent = True
                     src.puts_issued = True
             if not src.finished:
@@ -844,6 +945,49 @@ class SchedulerSide:
                 if src.delay_freed:
                     self._releases.append(src.req_id)
                 self._drop_source(src.req_id)
+
+    def _push_tokens(self, src: _Source, d: _Dst, geo: dict[str, Any], lo: int, hi: int, final: bool,
+                     out: list[Push]) -> None:
+        """Queue prompt tokens ``[lo, hi)`` of ``src`` for a destination ``d`` of an unlike decode (``geo``): a
+        token range with the blocks that hold it on both sides (the workers map heads and blocks). Tokens the
+        decode had already (its first ``d.offset`` blocks) and tokens beyond its blocks are left out."""
+        bs, dbs = self.block_size, int(geo["block_size"])
+        first = d.offset * dbs
+        lo = max(lo, first)
+        hi = min(hi, src.prompt_len, first + len(d.blocks) * dbs, len(src.blocks) * bs)
+        delay = self._delay(src) if final else 0.0
+        if hi > lo:
+            s_lo, s_hi = lo // bs, -(-hi // bs)
+            d_lo, d_hi = (lo - first) // dbs, -(-(hi - first) // dbs)
+            for g, (sg, dg) in enumerate(zip(src.extra, d.extra, strict=False), start=1):
+                out.append(Push(src.req_id, d.seq, d.engine, tuple(sg[s_lo:s_hi]), tuple(dg[d_lo:d_hi]), final,
+                                start=lo, stop=hi, src_first=s_lo * bs, dst_first=first + d_lo * dbs, group=g))
+            out.append(Push(src.req_id, d.seq, d.engine, tuple(src.blocks[s_lo:s_hi]), tuple(d.blocks[d_lo:d_hi]),
+                            final, delay, start=lo, stop=hi, src_first=s_lo * bs, dst_first=first + d_lo * dbs))
+            src.puts_issued = True
+        elif final:  # nothing left to put, still signal
+            out.append(Push(src.req_id, d.seq, d.engine, (), (), True, delay, start=lo, stop=lo))
+            src.puts_issued = True
+        d.pushed_tok = max(d.pushed_tok, hi)
+        d.final_sent = final
+
+    def _pairs(self, src: list[int], dst: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Group 0's block pairs; with several groups (group 0 may be a sliding window's) null blocks are left out."""
+        if self.num_groups == 1:
+            return tuple(src), tuple(dst)
+        pairs = [(a, b) for a, b in zip(src, dst, strict=False) if a != NULL_BLOCK and b != NULL_BLOCK]
+        return tuple(a for a, _ in pairs), tuple(b for _, b in pairs)
+
+    @staticmethod
+    def _group_pushes(src: _Source, d: _Dst, lo: int, end: int, final: bool, out: list[Push]) -> None:
+        """Like-for-like pushes of prompt blocks ``[lo, end)`` for KV cache groups 1.. (before group 0's, which
+        signals): block pairs where neither side holds vLLM's null block (a sliding window's skipped blocks)."""
+        for g, (sg, dg) in enumerate(zip(src.extra, d.extra, strict=False), start=1):
+            pairs = [(a, b) for a, b in zip(sg[lo:end], dg[lo - d.offset:end - d.offset], strict=False)
+                     if a != NULL_BLOCK and b != NULL_BLOCK]
+            if pairs:
+                out.append(Push(src.req_id, d.seq, d.engine, tuple(a for a, _ in pairs), tuple(b for _, b in pairs),
+                                final, group=g))
 
     def _delay(self, src: _Source) -> float:
         """Test-only pause before ``src``'s final signal (``debug_push_delay`` and ``kvt_debug_delay``)."""
@@ -986,6 +1130,14 @@ class SchedulerSide:
             self.server.close()
         for c in self.clients.values():
             c.close()
+
+
+def _groups(block_ids: Any) -> list[list[int]]:
+    """A finished request's blocks per KV cache group: vLLM hands one list (one group) or, to an HMA
+    connector, one list per group."""
+    if block_ids and isinstance(block_ids[0], list | tuple):
+        return [list(g) for g in block_ids]
+    return [list(block_ids or [])]
 
 
 def append_prompt_token(request: Any, token: int) -> None:

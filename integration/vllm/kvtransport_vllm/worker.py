@@ -24,23 +24,29 @@ import threading
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import kvtransport
-from kvtransport import KVLayout, KVTransportError, Peer
+from kvtransport import KVLayout, KVTransportError, LayoutError, Peer
+from kvtransport.coalesce import BlockRun, coalesce
+from kvtransport.reshard import Shard, reshard_runs, senders_to
 
 from . import trace
 from .compat import block_dim
 from .config import ConnectorSettings
+from .geometry import Geometry, base_seq, describe, part_seq, unit_layout
 from .metadata import Push, SendFailure, StepPlan
-from .scheduler import PREFILL_LOST
+from .scheduler import NULL_BLOCK, PREFILL_LOST
 
 log = logging.getLogger("vllm.kvtransport")
 
 RECONNECT_BACKOFF = 10.0
 MAX_BACKLOG = 65536
 """Puts and signals queued for one destination while it connects; more fail at once."""
+
+Link = tuple[str, int]
+"""A destination worker: (decode engine id, its tp rank)."""
 
 
 @dataclass
@@ -54,8 +60,13 @@ class _Pusher:
     """The thread that issues every put/signal/flush of one worker (see module docstring)."""
 
     def __init__(self, cm: kvtransport.CommManager, tp_rank: int, num_layers: int, timeout: float,
-                 cuda: bool = False) -> None:
+                 cuda: bool = False, group_of: list[int] | None = None) -> None:
         self.cm = cm
+        self.group_of = group_of or [0] * num_layers  # layer -> its KV cache group
+        self.group_layers: dict[int, list[int]] = defaultdict(list)
+        for layer, g in enumerate(self.group_of):
+            self.group_layers[g].append(layer)
+        self.groups = len(self.group_layers)
         self.cuda = cuda
         self.stream: Any = None  # CUDA: the pusher's own stream (set on its thread)
         self.tp_rank = tp_rank
@@ -64,18 +75,18 @@ class _Pusher:
         self.q: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
         self.lock = threading.Lock()
         self.peer_meta: dict[str, dict[int, bytes]] = {}
-        self.peers: dict[str, Peer] = {}
+        self.peers: dict[Link, Peer] = {}
         # destinations being connected (on their own threads): their puts and signals, in order, replayed
         # (or failed) when the connect ends
-        self.connecting: dict[str, list[tuple[Push, Callable[[], None]]]] = {}
+        self.connecting: dict[Link, list[tuple[Push, Callable[[], None]]]] = {}
         self.device: int | None = None
         if cuda:
             import torch
 
             self.device = torch.cuda.current_device()  # the worker's device: every thread of ours uses it
-        self.broken: dict[str, tuple[float, str]] = {}
+        self.broken: dict[Link, tuple[float, str]] = {}
         self.failed_seqs: dict[str, str] = {}
-        self.touched: dict[str, set[str]] = defaultdict(set)  # prefill req -> engines it put to
+        self.touched: dict[str, set[Link]] = defaultdict(set)  # prefill req -> destination workers it put to
         self.releasing: list[str] = []
         # test-only (debug_push_delay): final signals held back, (due, "layerwise" | "whole", pushes); the
         # thread keeps serving other requests meanwhile, and their prefill requests are released after them
@@ -159,22 +170,25 @@ class _Pusher:
         kind = job[0]
         if kind == "peers":
             self.peer_meta.update(job[1])
-            for engine in job[1]:
-                self._start_connect(engine)
+            for engine, ranks in job[2].items():  # the destination ranks we serve: connected at once
+                for rank in ranks:
+                    self._start_connect((engine, rank))
         elif kind == "connected":
             self._connected(job[1], job[2])
         elif kind == "layer":
             _, layer, pushes, event = job
             self._after(event)
             for p in pushes:
-                self._put(p, layer, signal_layer=p.final)
+                if p.group == self.group_of[layer]:
+                    self._put(p, layer, signal_layer=p.final)
         elif kind == "signal":
             self._signal_later("layerwise", list(job[1]))
         elif kind == "whole":
             whole: Push = job[1]
             self._after(job[2])
             self._put(whole, None)  # every layer in one call (one device launch on CUDA IPC paths)
-            self._signal_later("whole", [whole])
+            if whole.group == 0:  # the other groups' pushes of the request came first
+                self._signal_later("whole", [whole])
         elif kind == "release":
             self.releasing.append(job[1])
 
@@ -196,22 +210,25 @@ class _Pusher:
             self.delayed.append((now + max(p.delay for p in later), kind, later))
         self._signal_all(kind, [p for p in pushes if p.delay <= 0])
 
-    def _start_connect(self, engine: str) -> bool:
-        """Start connecting ``engine`` on a thread of its own unless connected, connecting or in its reconnect
+    def _link(self, p: Push) -> Link:
+        return (p.engine, self.tp_rank if p.rank < 0 else p.rank)
+
+    def _start_connect(self, link: Link) -> bool:
+        """Start connecting ``link`` on a thread of its own unless connected, connecting or in its reconnect
         backoff, or without metadata. Pusher thread; non-blocking. True while a connect is pending."""
-        if engine in self.connecting:
+        if link in self.connecting:
             return True
-        if engine in self.peers or time.monotonic() < self.broken.get(engine, (0.0, ""))[0]:
+        if link in self.peers or time.monotonic() < self.broken.get(link, (0.0, ""))[0]:
             return False
-        meta = self.peer_meta.get(engine, {}).get(self.tp_rank)
+        meta = self.peer_meta.get(link[0], {}).get(link[1])
         if meta is None:
             return False
-        self.connecting[engine] = []
-        threading.Thread(target=self._connect, args=(engine, meta), name=f"kvt-connect-{engine[:16]}",
+        self.connecting[link] = []
+        threading.Thread(target=self._connect, args=(link, meta), name=f"kvt-connect-{link[0][:16]}-{link[1]}",
                          daemon=True).start()
         return True
 
-    def _connect(self, engine: str, meta: bytes) -> None:
+    def _connect(self, link: Link, meta: bytes) -> None:
         """Connect thread: ``cm.connect`` (bounded by ``timeout``), the outcome handed to the pusher thread."""
         outcome: Peer | KVTransportError
         try:
@@ -223,38 +240,41 @@ class _Pusher:
         except KVTransportError as exc:
             outcome = exc
         except Exception as exc:  # never leave the backlog waiting
-            outcome = KVTransportError(f"connect to decode engine {engine} failed: {type(exc).__name__}: {exc}")
-        self.q.put(("connected", engine, outcome))
+            outcome = KVTransportError(f"connect to decode engine {link[0]} rank {link[1]} failed: "
+                                       f"{type(exc).__name__}: {exc}")
+        self.q.put(("connected", link, outcome))
 
-    def _connected(self, engine: str, outcome: Peer | KVTransportError) -> None:
+    def _connected(self, link: Link, outcome: Peer | KVTransportError) -> None:
         """Pusher thread: a connect ended; replay (or fail) the destination's backlog in order."""
-        backlog = self.connecting.pop(engine, [])
+        backlog = self.connecting.pop(link, [])
         if isinstance(outcome, KVTransportError):
-            self.broken[engine] = (time.monotonic() + RECONNECT_BACKOFF, str(outcome))
+            self.broken[link] = (time.monotonic() + RECONNECT_BACKOFF, str(outcome))
             for p, _ in backlog:
                 self._fail(p, outcome)
             return
-        log.info("kvtransport: connected to decode engine %s rank %d via %s", engine, self.tp_rank, outcome.path)
-        self.peers[engine] = outcome
+        log.info("kvtransport: worker %d connected to decode engine %s rank %d via %s", self.tp_rank, link[0],
+                 link[1], outcome.path)
+        self.peers[link] = outcome
         for _, replay in backlog:
             replay()
 
     def _peer(self, p: Push, replay: Callable[[], None]) -> Peer | None:
         """The link to ``p.engine``, or None when it is being connected: then ``replay`` waits in that
         destination's backlog. Raises KVTransportError (unreachable in backoff, no metadata, backlog full)."""
-        peer = self.peers.get(p.engine)
+        link = self._link(p)
+        peer = self.peers.get(link)
         if peer is not None:
             return peer
-        if self._start_connect(p.engine):
-            backlog = self.connecting[p.engine]
+        if self._start_connect(link):
+            backlog = self.connecting[link]
             if len(backlog) >= MAX_BACKLOG:
                 raise KVTransportError(f"decode engine {p.engine}: {MAX_BACKLOG} puts wait for its connect")
             backlog.append((p, replay))
             return None
-        until, why = self.broken.get(p.engine, (0.0, ""))
+        until, why = self.broken.get(link, (0.0, ""))
         if time.monotonic() < until:
             raise KVTransportError(f"decode engine {p.engine} unreachable: {why}")
-        raise KVTransportError(f"no kvtransport metadata for decode engine {p.engine} rank {self.tp_rank}")
+        raise KVTransportError(f"no kvtransport metadata for decode engine {p.engine} rank {link[1]}")
 
     def _fail(self, p: Push, exc: BaseException) -> None:
         if p.seq in self.failed_seqs:
@@ -265,9 +285,9 @@ class _Pusher:
             self.failed_seqs.pop(next(iter(self.failed_seqs)))
         log.warning("kvtransport: push of %s to %s failed: %s", p.seq, p.engine, reason)
         with self.lock:
-            self.failures.append(SendFailure(p.seq, p.engine, reason))
+            self.failures.append(SendFailure(p.base or p.seq, p.engine, reason))
         if isinstance(exc, (kvtransport.PeerDisconnected, kvtransport.CommClosed)):
-            peer = self.peers.pop(p.engine, None)
+            peer = self.peers.pop(self._link(p), None)
             if peer is not None:
                 try:
                     self.cm.disconnect(peer)
@@ -280,13 +300,17 @@ class _Pusher:
         if p.seq in self.failed_seqs:
             return
         try:
-            self.touched[p.req_id].add(p.engine)
+            self.touched[p.req_id].add(self._link(p))
             peer = self._peer(p, lambda: self._put(p, layer, signal_layer=signal_layer))
             if peer is None:
                 return
-            if p.src:
+            layers = (layer,) if layer is not None else self.group_layers[p.group] if self.groups > 1 else None
+            if p.runs is not None:
+                if p.runs:
+                    self.cm.put_runs(peer, p.seq, layers, p.runs)
+            elif p.src:
                 if layer is None:
-                    self.cm.put_layers(peer, p.seq, None, p.src, p.dst)
+                    self.cm.put_layers(peer, p.seq, layers, p.src, p.dst)
                 else:
                     self.cm.put_layer(peer, p.seq, layer, p.src, p.dst)
             if signal_layer and layer is not None:
@@ -316,16 +340,16 @@ class _Pusher:
         held = self._held_back() | {r for r in self.releasing if self.touched.get(r, set()) & self.connecting.keys()}
         reqs = [r for r in self.releasing if r not in held]
         self.releasing = [r for r in self.releasing if r in held]
-        engines = set().union(*(self.touched.pop(r, set()) for r in reqs)) if reqs else set()
-        for eng in engines:
-            peer = self.peers.get(eng)
+        links: set[Link] = set().union(*(self.touched.pop(r, set()) for r in reqs)) if reqs else set()
+        for link in links:
+            peer = self.peers.get(link)
             if peer is None:
                 continue
             try:
                 self.cm.flush(peer, timeout=self.timeout)
             except KVTransportError as exc:
-                log.warning("kvtransport: flush towards %s failed: %s", eng, exc)
-                self.peers.pop(eng, None)
+                log.warning("kvtransport: flush towards %s rank %d failed: %s", link[0], link[1], exc)
+                self.peers.pop(link, None)
         with self.lock:
             self.finished_sending.update(reqs)
 
@@ -334,11 +358,21 @@ class WorkerSide:
     """See the module docstring. Constructed by the connector for ``KVConnectorRole.WORKER``."""
 
     def __init__(self, *, settings: ConnectorSettings, engine_id: str, tp_rank: int = 0,
-                 num_blocks: int | None = None) -> None:
+                 num_blocks: int | None = None, tp_size: int = 1, num_kv_heads: int | None = None,
+                 cpu_attn: bool = False, layer_groups: dict[str, int] | None = None) -> None:
         self.settings = settings
         self.num_blocks = num_blocks
         self.engine_id = engine_id
         self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.num_kv_heads = num_kv_heads  # the model's (None: this rank's heads times tp_size)
+        self.cpu_attn = cpu_attn  # vLLM's CPU attention owns the block interiors (see geometry.py)
+        self.layer_groups = dict(layer_groups or {})  # layer name -> KV cache group (hybrid models)
+        self.geometry: Geometry | None = None  # None: block layout (like-for-like peers only)
+        self.shard: Shard | None = None
+        self.peer_geometry: dict[str, dict[str, Any]] = {}
+        self._parts: dict[str, dict[str, str]] = {}  # decode req -> its parts' sequence ids -> their sender
+        self._landed: dict[str, set[str]] = {}  # decode req -> its parts landed so far
         trace.set_role(f"worker{tp_rank}")
         self.cm: kvtransport.CommManager | None = None
         self.layout: KVLayout | None = None
@@ -352,7 +386,7 @@ class WorkerSide:
         self._held: set[str] = set()
         self._landed_held: dict[str, tuple[float, float]] = {}  # landed, not yet released -> (start, deadline)
         self._recv_blocks: dict[str, list[int]] = {}  # decode req -> its destination blocks, until it ended
-        self._early: dict[str, float] = {}  # landed before we were told to wait for them
+        self._early: dict[str, float] = {}  # sequences (parts) landed before we were told to wait for them
         self._done_recv: set[str] = set()
         self._failed_recv: set[str] = set()
         self._times: list[float] = []
@@ -361,7 +395,7 @@ class WorkerSide:
         self._reported: OrderedDict[str, None] = OrderedDict()  # receives already ended (landed/fenced): bounded
         self._last: dict[str, Any] = {}
         self._pending_send_failures: list[SendFailure] = []
-        self._fences: queue.Queue[tuple[str, bool] | None] = queue.Queue()
+        self._fences: queue.Queue[tuple[str, bool, list[str]] | None] = queue.Queue()
         self._fencer: threading.Thread | None = None
 
     # ---------------------------------------------------------------- set-up
@@ -369,24 +403,42 @@ class WorkerSide:
         """Describe vLLM's per-layer views and open the transport (blocking, once). Raises KVTransportError."""
         self.layer_index = {name: i for i, name in enumerate(kv_caches)}
         first = next(iter(kv_caches.values()))
-        self.layout = KVLayout.from_tensors(kv_caches, block_dim=block_dim(tuple(first.shape), self.num_blocks))
+        bdim = block_dim(tuple(first.shape), self.num_blocks)
+        self.geometry = describe(kv_caches, bdim, self.cpu_attn)
+        if self.geometry is not None:
+            heads = self.num_kv_heads or self.geometry.heads * self.tp_size
+            try:
+                self.shard = self.geometry.shard(self.tp_size, self.tp_rank, heads)
+                if len(self.shard.heads) != self.geometry.heads:
+                    raise LayoutError(f"{self.geometry.heads} KV heads in the cache, {len(self.shard.heads)} expected")
+            except LayoutError as exc:
+                log.warning("kvtransport: worker %d keeps the block layout (like-for-like peers only): %s",
+                            self.tp_rank, exc)
+                self.geometry, self.shard = None, None
+        if self.geometry is not None:
+            self.layout = unit_layout(kv_caches, self.geometry)
+        else:
+            self.layout = KVLayout.from_tensors(kv_caches, block_dim=bdim)
         backend = None if self.settings.backend == "auto" else self.settings.backend
         opts = dict(self.settings.backend_options)
         opts.setdefault("timeout", self.settings.connect_timeout)
         self.cm = kvtransport.open(self.layout, backend=backend, ifname=self.settings.ifname, **opts)
         self.pusher = _Pusher(self.cm, self.tp_rank, self.layout.num_layers, self.settings.connect_timeout,
-                              cuda=self.layout.is_cuda)
+                              cuda=self.layout.is_cuda,
+                              group_of=[self.layer_groups.get(name, 0) for name in self.layer_index])
         self._fencer = threading.Thread(target=self._fence_loop, name="kvt-fence", daemon=True)
         self._fencer.start()
-        log.info("kvtransport connector worker %d: backend %s, %d layers x %d blocks, %d plane(s)/layer",
-                 self.tp_rank, self.cm.backend, self.layout.num_layers, self.layout.num_blocks,
-                 len(self.layout.layers[0].planes))
+        log.info("kvtransport connector worker %d: backend %s, %d layers x %d blocks, %d plane(s)/layer, "
+                 "%d KV cache group(s), geometry %s", self.tp_rank, self.cm.backend, self.layout.num_layers,
+                 self.layout.num_blocks, len(self.layout.layers[0].planes), self.pusher.groups, self.geometry)
 
     def handshake(self) -> dict[str, Any]:
         """What the scheduler side needs from this worker (kvtransport metadata and compatibility fields)."""
         assert self.cm is not None and self.layout is not None
+        g = self.geometry
         return {"metadata": self.cm.metadata(), "backend": self.cm.backend, "instance": self.cm.instance,
-                "layout_hash": self.layout.compat_hash(), "layer_names": list(self.layer_index)}
+                "layout_hash": self.layout.compat_hash(), "layer_names": list(self.layer_index),
+                "kv_order": g.order if g is not None else None}
 
     # ---------------------------------------------------------------- per step
     def bind(self, plan: StepPlan) -> None:
@@ -394,9 +446,14 @@ class WorkerSide:
         releases, starts and ends receives. Non-blocking."""
         self._plan = plan
         self._layers_done = set()
+        self.peer_geometry.update(plan.peer_geometry)
+        if plan.layer_pushes:
+            plan.layer_pushes = self._expand(plan.layer_pushes)
+        if plan.whole_pushes:
+            plan.whole_pushes = self._expand(plan.whole_pushes)
         if self.pusher is not None:
             if plan.peers:
-                self.pusher.submit("peers", plan.peers)
+                self.pusher.submit("peers", plan.peers, {e: self._dst_ranks(e) for e in plan.peers})
             if plan.whole_pushes:
                 event = self._forward_event()  # after everything issued so far (earlier steps' KV included)
                 for p in plan.whole_pushes:
@@ -421,7 +478,7 @@ class WorkerSide:
                     if landed is not None:
                         self._report_landed(rid, landed[0], now)
                 for rid, senders in plan.recv_from.items():
-                    self._expect(rid, senders.get(self.tp_rank))
+                    self._expect(rid, senders)
                 while len(self._recv_blocks) > 65536:  # ended receives are popped; bound what was never reported
                     self._recv_blocks.pop(next(iter(self._recv_blocks)))
                 for rid in plan.recv_abort:
@@ -429,8 +486,10 @@ class WorkerSide:
                     if self._landed_held.pop(rid, None) is not None:  # landed already: nothing can come any more
                         self._done_recv.add(rid)
                         continue
-                    if self._waiting.pop(rid, None) is not None or (rid in self._early and rid not in self._reported):
-                        self._early.pop(rid, None)
+                    early = [q for q in self._early if base_seq(q) == rid]
+                    if self._waiting.pop(rid, None) is not None or (early and rid not in self._reported):
+                        for q in early:
+                            self._early.pop(q, None)
                         self._fence(rid, failed=False)
                 for rid, reason in plan.recv_fail.items():
                     self._held.discard(rid)
@@ -443,19 +502,91 @@ class WorkerSide:
                         log.warning("kvtransport: KV for %s will not come: %s", rid, reason)
                         if reason.startswith(PREFILL_LOST):
                             self._lost += 1
-                        self._early.pop(rid, None)
+                        for q in [q for q in self._early if base_seq(q) == rid]:
+                            self._early.pop(q, None)
                         self._fence(rid, failed=True)
 
-    def _expect(self, rid: str, sender: str | None) -> None:
-        """Bind decode request ``rid`` to the prefill worker that will push it (its kvtransport instance id):
-        the core then refuses any other peer's puts, signals and cancels for it, and fails it at once if that
-        worker goes away. Under ``_lock``; non-blocking."""
-        if sender is None or self.cm is None or rid not in self._waiting:
+    def _expect(self, rid: str, senders: dict[int, str]) -> None:
+        """Bind decode request ``rid`` to the prefill workers that will push it (``senders``: the prefill's tp
+        rank -> kvtransport instance id, every rank): this rank expects one part per prefill rank that holds
+        some of its heads (:func:`kvtransport.reshard.senders_to`), and the core refuses any other peer's puts,
+        signals and cancels for a part, and fails it at once if its worker goes away. Under ``_lock``;
+        non-blocking."""
+        if self.cm is None or rid not in self._waiting:
             return
-        try:
-            self.cm.expect(rid, sender=sender)
-        except KVTransportError as exc:  # no slot for it now: its KV is still accepted from the first claimer
-            log.warning("kvtransport: cannot bind %s to its prefill worker %s: %s", rid, sender, exc)
+        if self.shard is not None and senders:
+            ranks = senders_to(len(senders), self.shard)
+            parts = {part_seq(rid, r, len(ranks)): senders[r] for r in ranks if r in senders}
+        else:
+            parts = {rid: senders[self.tp_rank]} if self.tp_rank in senders else {}
+        if not parts:
+            return
+        self._parts[rid] = parts
+        for seq, sender in parts.items():
+            try:
+                self.cm.expect(seq, sender=sender)
+            except KVTransportError as exc:  # no slot for it now: its KV is still accepted from the first claimer
+                log.warning("kvtransport: cannot bind %s to its prefill worker %s: %s", seq, sender, exc)
+        self._maybe_finish(rid, time.monotonic())
+
+    def _dst_ranks(self, engine: str) -> list[int]:
+        """The ranks of decode ``engine`` this worker sends to (unlike peers: those it holds heads for)."""
+        geo = self.peer_geometry.get(engine)
+        if geo is None or self.shard is None or not self._unlike(geo):
+            return [self.tp_rank]
+        return [d for d in range(int(geo["tp_size"])) if self.tp_rank in senders_to(self.tp_size, self._peer_shard(geo, d))]
+
+    def _unlike(self, geo: dict[str, Any]) -> bool:
+        assert self.geometry is not None
+        return (int(geo["tp_size"]) != self.tp_size or int(geo["block_size"]) != self.geometry.block_size
+                or geo.get("kv_order") != self.geometry.order)
+
+    def _peer_shard(self, geo: dict[str, Any], rank: int) -> Shard:
+        assert self.shard is not None
+        return Shard(int(geo["tp_size"]), rank, self.shard.num_kv_heads, int(geo["block_size"]), str(geo["kv_order"]),
+                     self.shard.head_size)
+
+    def _hybrid(self) -> bool:
+        """Several KV cache groups: a sliding window's skipped blocks are vLLM's null block (never moved)."""
+        return len(set(self.layer_groups.values())) > 1
+
+    def _expand(self, pushes: list[Push]) -> list[Push]:
+        """Each push as the pusher puts it: like-for-like block pairs as unit runs (unit layout), a token range
+        for unlike peers as one push per destination rank this worker serves, with its unit runs. A push that
+        cannot be mapped fails (its decode is told)."""
+        out: list[Push] = []
+        for p in pushes:
+            try:
+                out.extend(self._expand_one(p))
+            except (LayoutError, KVTransportError, KeyError, ValueError) as exc:
+                reason = f"cannot map the KV of {p.req_id} onto decode engine {p.engine}: {exc}"
+                log.warning("kvtransport: %s", reason)
+                self._pending_send_failures.append(SendFailure(p.seq, p.engine, reason))
+        return out
+
+    def _expand_one(self, p: Push) -> list[Push]:
+        g = self.geometry
+        if p.start < 0:
+            if g is None or not p.src:
+                return [p]
+            upb = g.units_per_block
+            runs = coalesce(list(p.src), list(p.dst))
+            return [replace(p, runs=tuple(BlockRun(r.src * upb, r.dst * upb, r.count * upb) for r in runs))]
+        if self.shard is None:
+            raise LayoutError("this worker's cache layout only serves like-for-like peers")
+        geo = self.peer_geometry[p.engine]
+        out = []
+        for d in range(int(geo["tp_size"])):
+            dst = self._peer_shard(geo, d)
+            senders = senders_to(self.tp_size, dst)
+            if self.tp_rank not in senders:
+                continue
+            runs = reshard_runs(self.shard, dst, p.src, p.dst, p.start, p.stop, src_first_token=p.src_first,
+                                dst_first_token=p.dst_first,
+                                skip_block=NULL_BLOCK if self._hybrid() else None) if p.src else []
+            out.append(replace(p, seq=part_seq(p.seq, self.tp_rank, len(senders)), rank=d, runs=tuple(runs),
+                               base=p.seq))
+        return out
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any) -> None:
         """Queue this layer's puts (called right after the layer's attention). Non-blocking."""
@@ -482,7 +613,7 @@ class WorkerSide:
             for idx in missed:
                 self.pusher.submit("layer", idx, plan.layer_pushes, event)
             self._layers_done = set(range(self.layout.num_layers))
-            finals = [p for p in plan.layer_pushes if p.final]
+            finals = [p for p in plan.layer_pushes if p.final and p.group == 0]
             if finals:
                 self.pusher.submit("signal", finals)
         plan.layer_pushes = []
@@ -508,16 +639,17 @@ class WorkerSide:
         now = time.monotonic()
         with self._lock:
             for seq in self.cm.poll():
-                rid = str(seq)
+                q = str(seq)
+                rid = base_seq(q)
                 if rid in self._reported:  # already ended (e.g. failed by the scheduler first): report once
                     continue
                 if rid in self._waiting:
-                    self._finish(rid, now)
+                    self._part_landed(rid, q, now)
                 else:
-                    self._early[rid] = now
-            for rid in [r for r in self._early if r in self._waiting]:
-                self._early.pop(rid)
-                self._finish(rid, now)
+                    self._early[q] = now
+            for q in [q for q in self._early if base_seq(q) in self._waiting]:
+                self._early.pop(q)
+                self._part_landed(base_seq(q), q, now)
             for rid, (_, deadline) in list(self._waiting.items()):
                 if now >= deadline:
                     log.warning("kvtransport: KV for %s did not land within %gs", rid, self.settings.transfer_timeout)
@@ -544,11 +676,38 @@ class WorkerSide:
                 out.update(self._recv_blocks.pop(rid, ()))
         return out
 
+    def _part_landed(self, rid: str, seq: str, now: float) -> None:
+        """Part ``seq`` of ``rid`` landed (or failed): ``rid`` ends once every part did. Under ``_lock``."""
+        assert self.cm is not None
+        try:
+            self.cm.wait(seq, timeout=0)
+        except KVTransportError as exc:
+            log.warning("kvtransport: KV transfer for %s failed: %s", seq, exc)
+            if isinstance(exc, kvtransport.PeerDisconnected):
+                self._lost += 1
+            self._waiting.pop(rid, None)
+            self._fence(rid, failed=True)
+            return
+        self._landed.setdefault(rid, set()).add(seq)
+        self._maybe_finish(rid, now)
+
+    def _maybe_finish(self, rid: str, now: float) -> None:
+        """Finish ``rid`` if it waits and all its parts landed (its own sequence when it has one sender; its
+        parts once ``_expect`` knows them). Under ``_lock``."""
+        landed = self._landed.get(rid, set())
+        parts = self._parts.get(rid)
+        if rid not in self._waiting or not landed or not (rid in landed or (parts and set(parts) <= landed)):
+            return
+        self._finish(rid, now)
+
     def _finish(self, rid: str, now: float) -> None:
         assert self.cm is not None
         start, deadline = self._waiting.pop(rid)
+        seqs = self._landed.pop(rid, {rid})
+        self._parts.pop(rid, None)
         try:
-            self.cm.wait(rid, timeout=0)
+            for seq in seqs:
+                self.cm.wait(seq, timeout=0)
             trace.event("d.landed", rid)
             if rid in self._held:  # first-token flow: reported once its first token is in its prompt
                 self._landed_held[rid] = (start, deadline)
@@ -561,7 +720,8 @@ class WorkerSide:
                 self._lost += 1
             self._fence(rid, failed=True)
             return
-        self.cm.release(rid)
+        for seq in seqs:
+            self.cm.release(seq)
 
     def _report_landed(self, rid: str, start: float, now: float) -> None:
         """``rid``'s KV landed and may be used: report it finished_recving. Under ``_lock``."""
@@ -577,7 +737,8 @@ class WorkerSide:
         if failed:
             self._failures += 1
         self._ended(rid)
-        self._fences.put((rid, failed))
+        seqs = sorted(set(self._parts.pop(rid, {})) | self._landed.pop(rid, set()) | {rid})
+        self._fences.put((rid, failed, seqs))
 
     def _ended(self, rid: str) -> None:
         """Remember that ``rid`` was (or is being) reported, so that a late poll result does not report it again."""
@@ -590,12 +751,13 @@ class WorkerSide:
             item = self._fences.get()
             if item is None:
                 return
-            rid, failed = item
+            rid, failed, seqs = item
             cm = self.cm
             if cm is None:
                 return
             try:
-                cm.abort(rid, timeout=self.settings.connect_timeout)
+                for seq in seqs:
+                    cm.abort(seq, timeout=self.settings.connect_timeout)
             except kvtransport.TransferTimeout as exc:
                 log.error("kvtransport: %s; retrying (its blocks stay held)", exc)
                 time.sleep(1.0)

