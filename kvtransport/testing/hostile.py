@@ -441,6 +441,7 @@ def owner_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
         out["inbound"] = len(cm.inbound_peers())
         link.barrier("filled")  # A made up ids until refused; L now needs 3 more slots (6 in all: its share)
         out["slots_at_filled"] = cm.stats()["slots_in_use"]
+        link.barrier("counted")  # only now may L claim more (its l0 could otherwise be counted on a slow host)
         link.barrier("legit-done")
         for seq in ("s", "s2", "e", "l0", "l1", "l2"):
             cm.wait(seq, timeout=20)
@@ -498,6 +499,7 @@ def owner_senders(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
         time.sleep(0.3)
         out["made_up_sent"] = made_up
         link.barrier("filled")
+        link.barrier("counted")
         for i in range(3):  # L still finds slots
             legit.put_layers(lp, f"l{i}", None, [], [])
             legit.put_layer(lp, f"l{i}", 1, srcs, dsts)
