@@ -164,6 +164,8 @@ class AdmissionStats:
     dropped_bad: int = 0
     dropped_closed: int = 0
     """Closed by the peer (or failed) before its first message was whole, our challenge unsent included."""
+    refused: int = 0
+    """Whole first messages that ``on_hello`` refused (returned None) or failed on."""
     accept_errors: int = 0
 
 
@@ -256,7 +258,7 @@ class Admission:
                     self._wake_r.recv(64)
                 except OSError:
                     pass
-            else:
+            elif self._pending.get(key.fd) is key.data:  # not dropped earlier in this batch (crowded, over budget)
                 self._read(key.data)
         now = time.monotonic()
         if not self._accepting and now >= self._resume_at and not self._closed:
@@ -394,6 +396,8 @@ class Admission:
             self._ready.popleft()
             if taken:
                 self.stats.handed_off += 1
+            else:  # refused by the owner (it closed the socket), or its check raised (dropped above)
+                self.stats.refused += 1
 
     def _drop(self, conn: _Conn) -> None:
         fd = conn.sock.fileno()

@@ -191,6 +191,30 @@ def test_a_peer_that_closes_before_its_hello_is_counted_as_closed() -> None:
         server.close()
 
 
+def test_hellos_the_owner_refuses_or_fails_on_are_counted_as_refused() -> None:
+    """A whole first message that ``on_hello`` refuses (None) or raises on ends in ``refused``, once each."""
+    def on_hello(h: PendingHello) -> bool | None:
+        if h.payload == b"boom":
+            raise RuntimeError("owner failed")
+        h.sock.close()
+        return None
+
+    server = socket.create_server(("127.0.0.1", 0))
+    adm = Admission(server, greet=lambda: (b"n", b"HI"), header_size=4, message_length=lambda h: 4,
+                    on_hello=on_hello, preauth_timeout=30, max_hello_bytes=100)
+    adm.start()
+    try:
+        a, b = dial(server), dial(server)
+        a.sendall(b"\x00\x00\x00\x04nope")
+        b.sendall(b"\x00\x00\x00\x04boom")
+        wait_for(lambda: adm.stats.refused == 2 and adm.pending == 0)
+        st = adm.stats
+        assert (st.refused, st.handed_off, st.dropped_closed, st.dropped_bad) == (2, 0, 0, 0)
+    finally:
+        adm.close()
+        server.close()
+
+
 def test_a_busy_owner_gets_the_connection_again_until_its_deadline() -> None:
     busy = threading.Event()
     busy.set()

@@ -91,7 +91,7 @@ def test_a_flood_of_unauthenticated_connections_costs_bounded_memory_and_no_thre
     assert adm["accepted"] == s["connected"] + rounds + 1 and adm["handed_off"] == rounds + 1, adm
     assert adm["dropped_over_budget"] >= FLOOD["bigs"] - kept, adm
     # exact: each accepted connection was handed off or dropped for one counted reason (none is pending)
-    drops = ("dropped_slow", "dropped_crowded", "dropped_over_budget", "dropped_bad", "dropped_closed")
+    drops = ("dropped_slow", "dropped_crowded", "dropped_over_budget", "dropped_bad", "dropped_closed", "refused")
     assert adm["accepted"] == adm["handed_off"] + sum(adm[k] for k in drops), adm
     # at most MAX_PENDING strangers were still waiting when the flood ended; the sender closes only those it
     # keeps past FLOOD["keep"], so a stranger it closed first (a loaded machine) counts as closed, not crowded
