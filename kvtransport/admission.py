@@ -258,8 +258,8 @@ class Admission:
                     self._wake_r.recv(64)
                 except OSError:
                     pass
-            elif self._pending.get(key.fd) is key.data:  # not dropped earlier in this batch (crowded, over budget)
-                self._read(key.data)
+            elif (conn := self._pending.get(key.fd)) is key.data and conn is not None:
+                self._read(conn)  # (not dropped earlier in this batch: crowded out or over budget)
         now = time.monotonic()
         if not self._accepting and now >= self._resume_at and not self._closed:
             self._sel.register(self.server, selectors.EVENT_READ, None)
