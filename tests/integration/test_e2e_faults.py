@@ -39,14 +39,13 @@ pytest.importorskip("kvtransport_vllm", reason="kvtransport-vllm is not installe
 httpx = pytest.importorskip("httpx")
 
 from .test_e2e_pd import (  # noqa: E402
-    START_TIMEOUT,
     Proc,
     base_env,
     free_port,
     matrix_params,
     metrics,
+    running,
     vllm_cmd,
-    wait_all,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -89,13 +88,8 @@ def faults(request: pytest.FixtureRequest, tiny_model: str, tmp_path_factory: py
              "DF": decode("fault-decode-fail", "fail", {}),
              "DR": decode("fault-decode-recompute", "recompute", {"debug_hold": True})}
     state: dict[str, Any] = {"procs": procs, "env": env, "log_dir": log_dir, "model": tiny_model}
-    try:
-        took = wait_all(list(procs.values()), START_TIMEOUT)
-        print(f"\n[faults] {len(procs)} vLLM instances ready in {took:.0f}s; logs in {log_dir}")
+    with running(procs, "faults", log_dir):
         yield state
-    finally:
-        for p in state["procs"].values():
-            p.stop()
 
 
 # ---------------------------------------------------------------------- helpers

@@ -25,7 +25,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (integration/vllm/ci_s
 pytest.importorskip("kvtransport_vllm", reason="kvtransport-vllm is not installed")
 httpx = pytest.importorskip("httpx")
 
-from .test_e2e_pd import START_TIMEOUT, Proc, base_env, delta, free_port, metrics, start_proxy, vllm_cmd, wait_all  # noqa: E402
+from .test_e2e_pd import Proc, base_env, delta, free_port, metrics, running, start_proxy, vllm_cmd  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -58,13 +58,8 @@ def instances(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
         "D1": instance("het-decode-tp1-b64", tiny_model, "kv_consumer", 1, 64, log_dir),
         "D2": instance("het-decode-tp2", tiny_model, "kv_consumer", 2, 32, log_dir),
     }
-    try:
-        took = wait_all(list(procs.values()), START_TIMEOUT)
-        print(f"\n[e2e-hetero] 4 vLLM instances (2 of them TP2) ready in {took:.0f}s; logs in {log_dir}")
+    with running(procs, "e2e-hetero (P2 and D2 at TP2)", log_dir):
         yield {"procs": procs, "env": base_env("ucx"), "log_dir": log_dir}
-    finally:
-        for p in procs.values():
-            p.stop()
 
 
 def prompts(seed: int, lengths: tuple[int, ...] = (3, 31, 70, 150)) -> list[str]:

@@ -18,7 +18,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (integration/vllm/ci_s
 pytest.importorskip("kvtransport_vllm", reason="kvtransport-vllm is not installed")
 
 from .test_e2e_hetero import check_pair, instance
-from .test_e2e_pd import START_TIMEOUT, base_env, wait_all
+from .test_e2e_pd import base_env, running
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 WINDOW = 48
@@ -33,13 +33,8 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory):
     log_dir.mkdir(parents=True, exist_ok=True)
     procs = {"P1": instance("hyb-prefill", model, "kv_producer", 1, 32, log_dir),
              "D": instance("hyb-decode", model, "kv_consumer", 1, 32, log_dir)}
-    try:
-        took = wait_all(list(procs.values()), START_TIMEOUT)
-        print(f"\n[e2e-hybrid] 2 vLLM instances ready in {took:.0f}s; logs in {log_dir}")
+    with running(procs, "e2e-hybrid", log_dir):
         yield {"procs": procs, "env": base_env("ucx"), "log_dir": log_dir}
-    finally:
-        for p in procs.values():
-            p.stop()
 
 
 def test_sliding_window_model_two_kv_groups(hybrid: dict[str, Any]) -> None:

@@ -17,6 +17,7 @@ Instances (started concurrently; ~2-4 min on 2 cores):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -27,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -109,6 +111,19 @@ def wait_all(procs: list[Proc], timeout: float) -> float:
         pending = [p for p in pending if not p.ready()]
         time.sleep(2)
     return time.monotonic() - t0
+
+
+@contextlib.contextmanager
+def running(procs: dict[str, Proc], label: str, log_dir: Path) -> Iterator[None]:
+    """Waits (bounded by START_TIMEOUT) until every instance in ``procs`` is ready, says how long it took, and
+    stops them all when the block ends, however it ends."""
+    try:
+        took = wait_all(list(procs.values()), START_TIMEOUT)
+        print(f"\n[{label}] {len(procs)} vLLM instances ready in {took:.0f}s; logs in {log_dir}")
+        yield
+    finally:
+        for p in procs.values():
+            p.stop()
 
 
 MATRIX = [("ucx", "cpu"), ("nccl", "cpu"), ("mscclpp", "cuda"), ("ucx", "cuda")]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import time
+from typing import Any
 
 import pytest
 
@@ -91,19 +92,27 @@ def _decode_admit(pr: Pair, req, pushes_expected: bool = True) -> None:
     pr.d.update_from_output(so, empty_output())
 
 
-def test_push_layerwise_plan_and_clean_finish(pair) -> None:
-    pr = pair()
-    prompt = list(range(10, 10 + 40))  # 3 blocks, last one partial
-    pparams, dparams = pr.push_params("x1")
-    dreq = make_request(prompt, params=dparams)
+def _push_first_step(pr: Pair, tag: str, prompt: list[int], *, d_block_size: int = 16) -> tuple[Any, ...]:
+    """Push mode, one request under ``tag``: the decode admits it (blocks of ``d_block_size`` tokens), the prefill
+    (max_tokens=1) learns its destinations and schedules once. Returns (decode request, prefill request, the
+    prefill's SchedulerOutput, the prefill's block ids, the decode's block ids)."""
+    pparams, dparams = pr.push_params(tag)
+    dreq = make_request(prompt, params=dparams, block_size=d_block_size)
     _decode_admit(pr, dreq)
     dst_blocks = pr.d.kv_cache_manager.get_block_ids(dreq.request_id)[0]
     preq = make_request(prompt, params=pparams, max_tokens=1)
     pr.p.add_request(preq)
-    pr.prefill_sees_dsts("x1")
+    pr.prefill_sees_dsts(tag)
     so = pr.p.schedule()
-    plan = plan_of(so)
     src_blocks = pr.p.kv_cache_manager.get_block_ids(preq.request_id)[0]
+    return dreq, preq, so, src_blocks, dst_blocks
+
+
+def test_push_layerwise_plan_and_clean_finish(pair) -> None:
+    pr = pair()
+    prompt = list(range(10, 10 + 40))  # 3 blocks, last one partial
+    dreq, preq, so, src_blocks, dst_blocks = _push_first_step(pr, "x1", prompt)
+    plan = plan_of(so)
     assert len(plan.layer_pushes) == 1
     push = plan.layer_pushes[0]
     assert push.final and push.seq == dreq.request_id and push.req_id == preq.request_id
@@ -915,16 +924,8 @@ def test_unlike_block_size_is_pushed_as_token_ranges(pair) -> None:
     pr.pc.set_worker_metadata({0: {"instance": "p-w0", "metadata": meta, "kv_order": "HN"}})
     pr.dc.set_worker_metadata({0: {"instance": "d-w0", "metadata": meta, "kv_order": "HN"}})
     prompt = list(range(2000, 2040))
-    pparams, dparams = pr.push_params("unlike")
-    dreq = make_request(prompt, params=dparams, block_size=32)
-    _decode_admit(pr, dreq)
-    dst_blocks = pr.d.kv_cache_manager.get_block_ids(dreq.request_id)[0]
-    preq = make_request(prompt, params=pparams, max_tokens=1)
-    pr.p.add_request(preq)
-    pr.prefill_sees_dsts("unlike")
-    so = pr.p.schedule()
+    _, preq, so, src_blocks, dst_blocks = _push_first_step(pr, "unlike", prompt, d_block_size=32)
     plan = plan_of(so)
-    src_blocks = pr.p.kv_cache_manager.get_block_ids(preq.request_id)[0]
     assert plan.peer_geometry == {pr.dc.engine_id: {"tp_size": 1, "block_size": 32, "kv_order": "HN"}}
     assert len(plan.layer_pushes) == 1
     push = plan.layer_pushes[0]
