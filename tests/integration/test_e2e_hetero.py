@@ -25,7 +25,17 @@ pytest.importorskip("vllm", reason="vLLM is not installed (integration/vllm/ci_s
 pytest.importorskip("kvtransport_vllm", reason="kvtransport-vllm is not installed")
 httpx = pytest.importorskip("httpx")
 
-from .test_e2e_pd import Proc, base_env, delta, free_port, metrics, running, start_proxy, vllm_cmd  # noqa: E402
+from .test_e2e_pd import (  # noqa: E402
+    Proc,
+    base_env,
+    delta,
+    free_port,
+    metrics,
+    running,
+    start_proxy,
+    vllm_cmd,
+    why_failed,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -70,14 +80,14 @@ def prompts(seed: int, lengths: tuple[int, ...] = (3, 31, 70, 150)) -> list[str]
     return [" ".join(f"w{rng.randrange(4, 1024)}" for _ in range(n)) for n in lengths]
 
 
-def complete(url: str, prompt: str) -> list[int]:
+def complete(url: str, prompt: str, procs: tuple[Proc, ...] = ()) -> list[int]:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
     r = httpx.post(url + "/v1/completions", json=body, timeout=600)
-    assert r.status_code == 200, r.text
+    assert r.status_code == 200, f"{r.text}\n{why_failed(procs)}"
     return list(r.json()["choices"][0]["token_ids"])
 
 
-def warm_up(url: str, pair: str) -> None:
+def warm_up(url: str, pair: str, procs: tuple[Proc, ...]) -> None:
     """One short P/D request before the checked ones, retried: it opens the decode's side channel to the prefill.
     On the loaded 2-core CI host that handshake towards a TP2 instance has twice taken longer than its bound
     (the decode then fails that prefill's waiting requests at once); see docs/notes.md (issue 15)."""
@@ -88,7 +98,7 @@ def warm_up(url: str, pair: str) -> None:
             return
         print(f"\n[e2e-hetero] {pair}: warm-up request {attempt + 1} failed (HTTP {r.status_code}); retrying")
         time.sleep(2)
-    raise AssertionError(f"{pair}: no P/D request got through in 3 tries")
+    raise AssertionError(f"{pair}: no P/D request got through in 3 tries\n{why_failed(procs)}")
 
 
 _REFERENCE: dict[str, list[int]] = {}
@@ -110,11 +120,11 @@ def check_pair(instances: dict[str, Any], prefill: str, decode: str, seed: int,
     want = [reference(R, p) for p in ps]
     proxy = start_proxy(instances, ["--prefill", P.url, "--decode", D.url], f"proxy-{prefill}-{decode}")
     try:
-        warm_up(proxy.url, f"{prefill}->{decode}")
+        warm_up(proxy.url, f"{prefill}->{decode}", (P, D, proxy))
         d0, p0 = metrics(D.url), metrics(P.url)
         t0 = time.monotonic()
         with ThreadPoolExecutor(len(ps)) as ex:
-            got = list(ex.map(lambda p: complete(proxy.url, p), ps))
+            got = list(ex.map(lambda p: complete(proxy.url, p, (P, D, proxy)), ps))
         took = time.monotonic() - t0
     finally:
         proxy.stop()

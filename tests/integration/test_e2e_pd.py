@@ -28,7 +28,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -100,6 +100,20 @@ class Proc:
                     pass
                 self.proc.wait(timeout=10)
         self._fh.close()
+
+
+WHY = re.compile(r"kvtransport|ERROR|Error|Traceback| 50[0-9] ")
+"""Log lines that tell why a P/D request failed (the connector's own, errors, HTTP 5xx)."""
+
+
+def why_failed(procs: Iterable[Proc], n: int = 12) -> str:
+    """The last ``n`` telling lines (see WHY) of each instance's log, for an assertion message: CI keeps no
+    log directory, so a failure must carry its reason."""
+    out = []
+    for proc in procs:
+        lines = [ln for ln in proc.log.read_text(errors="replace").splitlines() if WHY.search(ln)]
+        out.append(f"--- {proc.name} ({proc.log}):\n" + "\n".join(ln[:300] for ln in lines[-n:]))
+    return "\n".join(out)
 
 
 def wait_all(procs: list[Proc], timeout: float) -> float:

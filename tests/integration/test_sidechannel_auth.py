@@ -273,7 +273,7 @@ def test_a_second_peer_under_a_live_engines_id_is_refused_and_a_reconnect_after_
     t0 = time.monotonic()
     impostor, reply = handshake(srv)  # same engine id, proves the secret too: the live one is probed first
     assert reply == {"type": "refuse", "version": proto.PROTOCOL_VERSION,
-                     "reason": "engine id decode-A is already connected"}
+                     "reason": "engine id decode-A is already connected", "retry": True}
     assert time.monotonic() - t0 < sc.RECONNECT_PROBE_S + 2
     first.settimeout(5)
     assert proto.recv_message(first) == {"type": "ping"}  # the probe reached the live connection, which stays

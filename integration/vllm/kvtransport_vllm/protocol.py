@@ -58,6 +58,10 @@ class AuthFailure(ProtocolFailure):
     """The peer did not prove the shared secret."""
 
 
+class ConnectionClosed(ProtocolFailure):
+    """The peer closed the connection (end of stream before a whole message)."""
+
+
 def encode_message(msg: Mapping[str, Any]) -> bytes:
     """One message as it goes on the wire (length prefix and JSON). Raises ProtocolFailure when too large."""
     body = json.dumps(msg, separators=(",", ":")).encode()
@@ -76,7 +80,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     while len(buf) < n:
         chunk = sock.recv(n - len(buf))
         if not chunk:
-            raise ProtocolFailure("connection closed by peer")
+            raise ConnectionClosed("connection closed by peer")
         buf += chunk
     return bytes(buf)
 

@@ -36,6 +36,7 @@ from .protocol import (
     PROTOCOL_VERSION,
     REFUSED,
     AuthFailure,
+    ConnectionClosed,
     MalformedMessage,
     ProtocolFailure,
     check_hello,
@@ -255,10 +256,12 @@ class SideChannelServer:
             return None
         return True
 
-    def _refuse(self, sock: socket.socket, label: str, engine: object, reason: str, told: str) -> None:
+    def _refuse(self, sock: socket.socket, label: str, engine: object, reason: str, told: str,
+                retry: bool = False) -> None:
+        """Tell the peer it is refused; ``retry``: what refused it may pass (the peer may try again)."""
         self.refused += 1
         log.error("refusing decode engine %s from %s: %s", str(engine)[:64], label, reason)
-        send_message(sock, {"type": "refuse", "version": PROTOCOL_VERSION, "reason": told})
+        send_message(sock, {"type": "refuse", "version": PROTOCOL_VERSION, "reason": told, "retry": retry})
 
     def _handshake(self, sock: socket.socket, label: str, hello: dict[str, Any]) -> dict[str, Any] | None:
         """Check the (authenticated) hello: the checked hello, or None when refused (the peer was told)."""
@@ -281,7 +284,7 @@ class SideChannelServer:
             return None
         if not self._old_conn_gone(checked["engine_id"]):  # a second peer under a live engine's id
             self._refuse(sock, label, checked["engine_id"], "an engine with this id is connected and alive",
-                         f"engine id {str(checked['engine_id'])[:64]} is already connected")
+                         f"engine id {str(checked['engine_id'])[:64]} is already connected", retry=True)
             return None
         welcome = {"type": "welcome", "version": PROTOCOL_VERSION, "engine_id": self.engine_id, "compat": ours,
                    "compat_info": info, "lease": self.lease, "senders": self._senders() if self._senders else {}}
@@ -391,6 +394,14 @@ def _tell_and_close(sock: socket.socket, msg: dict[str, Any]) -> None:
         sock.close()
 
 
+class _Retry(Exception):
+    """A handshake attempt failed in a way a later attempt may not (see PeerClient._connect_once)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class PeerClient:
     """A decode scheduler's connection to one prefill scheduler at ``host:port``. Never blocks the caller.
 
@@ -453,56 +464,25 @@ class PeerClient:
 
     def _run(self) -> None:
         deadline = time.monotonic() + self._timeout
-        sock = None
         delay = 0.05
-        while sock is None:
+        while True:
             try:
-                sock = socket.create_connection((self.host, self.port), timeout=max(0.1, deadline - time.monotonic()))
-            except OSError as exc:
+                sock = self._connect_once(deadline)
+                break
+            except _Retry as exc:  # a busy or restarting prefill: try again while the connect timeout lasts
                 if time.monotonic() + delay > deadline:
-                    self._die(f"cannot reach prefill side channel {self.label}: {exc}")
+                    log.error("kvtransport side channel: %s", exc.reason)
+                    self._die(exc.reason)
                     return
+                log.log(logging.WARNING if delay == 0.05 else logging.DEBUG,
+                        "kvtransport side channel: %s; retrying for %.0f s more", exc.reason,
+                        deadline - time.monotonic())
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(self._timeout)
-            challenge = recv_message(sock, MAX_HELLO)
-            if challenge.get("type") != "challenge" or challenge.get("version") != PROTOCOL_VERSION:
-                raise ProtocolFailure(f"unexpected handshake opening {str(challenge.get('type'))[:32]!r} (protocol "
-                                      f"{str(challenge.get('version'))[:16]}, ours {PROTOCOL_VERSION}) from "
-                                      f"{self.label}: run the same kvtransport-vllm version on both sides")
-            ours_nonce = new_nonce()
-            send_message(sock, seal({**self._hello(), "nonce": ours_nonce.hex()}, self._secret,
-                                    parse_nonce(challenge.get("nonce"))))
-            frame = recv_message(sock, MAX_HELLO)
-            if frame.get("type") == "refuse":
-                raise ProtocolFailure(f"prefill {self.label} refused us: {str(frame.get('reason'))[:2000]}")
-            if frame.get("type") != "welcome":
-                raise ProtocolFailure(f"unexpected handshake reply {str(frame.get('type'))[:32]!r} from {self.label}")
-            try:
-                reply = unseal(frame, self._secret, ours_nonce)
-            except AuthFailure:
-                raise ProtocolFailure(f"prefill {self.label} did not prove KV_TRANSPORT_SECRET (set the same "
-                                      "secret on both sides)") from None
-            if reply.get("version") != PROTOCOL_VERSION:
-                raise ProtocolFailure(f"prefill {self.label} speaks side-channel protocol "
-                                      f"{str(reply.get('version'))[:16]}, ours {PROTOCOL_VERSION}")
-            ours, info = self._compat()
-            if reply.get("compat") != ours:
-                raise ProtocolFailure(
-                    f"prefill {self.label} is incompatible: {describe_mismatch(info, reply.get('compat_info') or {})}")
-            self.peer_engine = str(reply.get("engine_id"))
-            senders = check_senders(reply.get("senders"))
-            if senders:
-                self._inbox.put(("senders", (self.host, self.port), senders))
-            lease = reply.get("lease")
-            self.peer_lease = float(lease) if isinstance(lease, (int, float)) and lease > 0 else None
-        except (OSError, ProtocolFailure) as exc:
-            log.error("kvtransport side channel: %s", exc)
-            sock.close()
-            self._die(str(exc))
-            return
+            except ProtocolFailure as exc:  # refused, incompatible, unauthenticated: final
+                log.error("kvtransport side channel: %s", exc)
+                self._die(str(exc))
+                return
         conn = _Conn(sock, self.label, self._timeout)
         with self._lock:
             self._conn = conn
@@ -540,6 +520,61 @@ class PeerClient:
             self._die(reason)
             if not closed:  # the prefill went away (not our close()): its transfers cannot complete
                 self._inbox.put(("lost", (self.host, self.port), reason))
+
+    def _connect_once(self, deadline: float) -> socket.socket:
+        """One connect and handshake, bounded by ``deadline``: the connected socket (welcome checked). Raises
+        _Retry for what a later attempt may fix (unreachable, reset, closed or timed out before the welcome, a
+        refusal the prefill marks ``retry``) and ProtocolFailure for what it cannot (refused, incompatible,
+        unauthenticated, another protocol)."""
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=max(0.1, deadline - time.monotonic()))
+        except OSError as exc:
+            raise _Retry(f"cannot reach prefill side channel {self.label}: {exc}") from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(max(0.1, min(self._timeout, deadline - time.monotonic())))
+            challenge = recv_message(sock, MAX_HELLO)
+            if challenge.get("type") != "challenge" or challenge.get("version") != PROTOCOL_VERSION:
+                raise ProtocolFailure(f"unexpected handshake opening {str(challenge.get('type'))[:32]!r} (protocol "
+                                      f"{str(challenge.get('version'))[:16]}, ours {PROTOCOL_VERSION}) from "
+                                      f"{self.label}: run the same kvtransport-vllm version on both sides")
+            ours_nonce = new_nonce()
+            send_message(sock, seal({**self._hello(), "nonce": ours_nonce.hex()}, self._secret,
+                                    parse_nonce(challenge.get("nonce"))))
+            frame = recv_message(sock, MAX_HELLO)
+            if frame.get("type") == "refuse":
+                reason = f"prefill {self.label} refused us: {str(frame.get('reason'))[:2000]}"
+                if frame.get("retry") is True:
+                    raise _Retry(reason)
+                raise ProtocolFailure(reason)
+            if frame.get("type") != "welcome":
+                raise ProtocolFailure(f"unexpected handshake reply {str(frame.get('type'))[:32]!r} from {self.label}")
+            try:
+                reply = unseal(frame, self._secret, ours_nonce)
+            except AuthFailure:
+                raise ProtocolFailure(f"prefill {self.label} did not prove KV_TRANSPORT_SECRET (set the same "
+                                      "secret on both sides)") from None
+            if reply.get("version") != PROTOCOL_VERSION:
+                raise ProtocolFailure(f"prefill {self.label} speaks side-channel protocol "
+                                      f"{str(reply.get('version'))[:16]}, ours {PROTOCOL_VERSION}")
+            ours, info = self._compat()
+            if reply.get("compat") != ours:
+                raise ProtocolFailure(
+                    f"prefill {self.label} is incompatible: {describe_mismatch(info, reply.get('compat_info') or {})}")
+            self.peer_engine = str(reply.get("engine_id"))
+            senders = check_senders(reply.get("senders"))
+            if senders:
+                self._inbox.put(("senders", (self.host, self.port), senders))
+            lease = reply.get("lease")
+            self.peer_lease = float(lease) if isinstance(lease, (int, float)) and lease > 0 else None
+            sock.settimeout(self._timeout)
+            return sock
+        except (OSError, ConnectionClosed) as exc:
+            sock.close()
+            raise _Retry(f"handshake with prefill side channel {self.label} broke off: {exc}") from None
+        except BaseException:
+            sock.close()
+            raise
 
     def close(self) -> None:
         self._die("closed")
