@@ -15,12 +15,12 @@ python scripts/check_figures.py
 kvtransport backends --require "${KVT_REQUIRED_BACKENDS:-ucx,nccl}" >/dev/null
 if [ "${SKIP_VLLM:-0}" != 1 ]; then
   # tests/integration needs vLLM: it runs below, in the vLLM venv, instead of skipping here
-  HYPOTHESIS_PROFILE=ci python -m pytest -q --ignore=tests/integration "$@"
+  HYPOTHESIS_PROFILE=ci python -m pytest -q --durations=12 --ignore=tests/integration "$@"
 else
   HYPOTHESIS_PROFILE=ci python -m pytest -q "$@"
 fi
 if [ "${SKIP_VLLM:-0}" != 1 ]; then
   export VLLM_VENV=${VLLM_VENV:-$PWD/.vllm-venv}
   bash integration/vllm/ci_setup.sh
-  HYPOTHESIS_PROFILE=ci "$VLLM_VENV/bin/python" -m pytest -q -p no:cacheprovider tests/integration
+  HYPOTHESIS_PROFILE=ci "$VLLM_VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=12 tests/integration
 fi

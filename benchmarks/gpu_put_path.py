@@ -33,7 +33,7 @@ CASES = {  # name: (preset, tokens, ids pattern)
 
 
 def _spec(preset: str, tokens: int) -> Any:
-    from kvtransport.testing.cache import preset as make_preset
+    from kvtransport.workload.caches import preset as make_preset
 
     blocks = tokens // 16
     return make_preset(preset, blocks * 2 if preset != "one-layer" else blocks, "NHD")
@@ -50,7 +50,7 @@ def _receiver(backend: str, cases: list[str], conn: Any, doorbell: bool) -> None
     import torch
 
     import kvtransport as kt
-    from kvtransport.testing.cache import CudaCache
+    from kvtransport.workload.caches import CudaCache
 
     torch.cuda.set_device(1)
     for name in cases:
@@ -113,7 +113,7 @@ def run_case(backend: str, name: str, reps: int, api: str, conn: Any, doorbell: 
     import torch
 
     import kvtransport as kt
-    from kvtransport.testing.cache import CudaCache
+    from kvtransport.workload.caches import CudaCache
 
     preset, tokens, pattern = CASES[name]
     spec = _spec(preset, tokens)

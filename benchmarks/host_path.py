@@ -32,7 +32,7 @@ from typing import Any
 def _receiver(spec_dict: dict[str, Any], backend: str, conn: Any) -> None:
     """The receiving process: hands its metadata over, then waits for and releases each request it is told."""
     import kvtransport as kt
-    from kvtransport.testing.cache import CacheSpec, HostCache
+    from kvtransport.workload.caches import CacheSpec, HostCache
 
     spec = CacheSpec(**spec_dict)
     with kt.open(HostCache(spec).layout, backend=backend) as r:
@@ -54,7 +54,7 @@ def run(copy_us: float, layers: int, blocks: int, requests: int, backend: str = 
     import multiprocessing as mp
 
     import kvtransport as kt
-    from kvtransport.testing.cache import CacheSpec, HostCache
+    from kvtransport.workload.caches import CacheSpec, HostCache
 
     try:  # short sleeps as precise as the C wait's (the default timer slack adds ~50 us to each)
         ctypes.CDLL(None).prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK, 1 us; threads started later inherit it

@@ -39,6 +39,7 @@ from .errors import (
     TransferTimeout,
     UnknownBackend,
     VersionMismatch,
+    map_errors,
 )
 from .layout import KVLayout, LayerRegion, Plane
 from .manager import CommManager, Peer
@@ -88,12 +89,8 @@ def open(  # noqa: A001 - the name the contract asks for
         raise ConfigurationError("checksum=True (a debug option) verifies host memory only; turn it off for CUDA caches")
     spec = registry.choose(settings.backend, layout.memory_kind)
     registry.check_options(spec, backend_options)
-    try:
+    with map_errors(BackendUnavailable, f"backend {spec.name} could not start"):  # a library's error, typed
         transport = spec.create(layout, settings)
-    except KVTransportError:
-        raise
-    except Exception as exc:  # a backend that leaked its library's error: still typed, and says which
-        raise BackendUnavailable(f"backend {spec.name} could not start: {type(exc).__name__}: {exc}") from exc
     try:
         return CommManager(layout, settings, transport)
     except BaseException:

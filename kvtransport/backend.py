@@ -1,5 +1,6 @@
 """The backend interface (SPI). A backend moves bytes; everything else (coalescing, sequence slots,
-handshake, signals, timeouts, errors) is generic code in :mod:`kvtransport.manager`.
+handshake, signals, timeouts, errors) is generic code in :mod:`kvtransport.manager` (its sending and
+receiving sides: :mod:`kvtransport.sending`, :mod:`kvtransport.receiving`).
 
 A distribution registers a :class:`BackendSpec` under the entry-point group ``kvtransport.backends``::
 
@@ -19,18 +20,25 @@ Connection set-up is two-phase, driven by the core's side channel (sender = the 
 Capabilities decide what the generic code does: with ``one_sided`` the receiver never takes part in a
 put, and the sender flushes before signalling; without it, the receiver's ``InboundLink.receive`` is
 called for each put, in order, from the side-channel thread.
+
+What an outbound link can do beyond puts is declared, never looked up by name: a link class lists the
+optional capabilities it implements among its bases (:class:`CompletionMarks`, :class:`FlushAndSend`), and
+the core checks them once, with ``isinstance``, when the link is set up. A device-written doorbell is the
+link's typed ``doorbell`` attribute (a :class:`DoorbellWriter`, or None), since a link has one on some paths
+only.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from .coalesce import BlockRun
 from .config import Settings
 from .layout import KVLayout
+from .parking import Parking
 
 JSONDict = dict[str, Any]
 
@@ -82,25 +90,62 @@ class PeerInfo:
     """The peer's ``Transport.describe()`` output, from its metadata."""
 
 
+class DoorbellWriter(Protocol):
+    """A device-written completion word (:mod:`kvtransport.doorbell`), offered by a link whose puts are device
+    launches into peer-mapped memory on one host (``OutboundLink.doorbell``); the receiver then sees completion
+    without the side channel. Called by the core's sending side (:mod:`kvtransport.sending`), one thread at a
+    time per link; only ``doorbell_unmap`` may wait (briefly, bounded)."""
+
+    def doorbell_map(self, address: int, size: int) -> int | None:
+        """Make ``size`` bytes of host memory at ``address`` writable from the device: its device address, or
+        None when that is not possible (the link then signals by frame only). Called once, right after
+        connect; an exception is treated like None."""
+        ...
+
+    def doorbell_write(self, device_address: int, value: int) -> None:
+        """Enqueue a store of ``value`` (u64) at ``device_address`` that runs after every put issued so far
+        has landed. Non-blocking; called under the link's put lock, in order with the puts. An exception
+        makes the core stop using the doorbell (signals go by frame only)."""
+        ...
+
+    def doorbell_unmap(self, address: int) -> None:
+        """Undo :meth:`doorbell_map` once the stores headed there have run (waiting for them briefly, bounded;
+        else leave it mapped). Called once, at the link's close, after the link's own ``close``, under the
+        link's put lock; exceptions are logged."""
+        ...
+
+
+class Mailbox(Protocol):
+    """The one-slot mailbox of a :meth:`FlushAndSend.flush_and_send` wait in progress (see there)."""
+
+    def append(self, data: bytes) -> bool:
+        """Have ``data`` (whole frames) written right after the wait's bytes; False when the wait ended or
+        the slot is taken (the core then sends ``data`` itself). Non-blocking; called by the core under its
+        lock, from a thread other than the waiting one."""
+        ...
+
+    def close(self) -> tuple[bytes | None, int]:
+        """Close the slot once the wait returned: (the appended bytes or None, how many of them the wait
+        wrote). Called by the core on the waiting thread."""
+        ...
+
+
 class OutboundLink(ABC):
     """Sender side of one peer link. Used from one thread at a time (the CommManager serialises).
 
-    Optional completion hooks (looked up by name; a backend offers all of a pair or none):
+    Optional capabilities, declared by listing them among the link class's bases (the core checks with
+    ``isinstance`` once, when the link is set up, and uses what it finds from then on):
 
-    * ``mark() -> token`` and ``landed(token) -> bool``, both non-blocking: a token for everything issued
-      so far, and whether all of it has landed as far as is known without waiting (False when unsure).
-      With them, a signal whose puts already landed is sent from the caller's thread instead of the
-      signaller thread (ucx, mscclpp).
-    * ``flush_and_send(timeout, fd, data, parking, on_wait) -> int``: flush, then write ``data`` to the side
-      channel's socket ``fd`` from the same GIL-free wait; returns the bytes written (ucx's C helper).
-    * ``doorbell``: an object with ``doorbell_map(address, size) -> int | None`` (make host memory
-      writable from the device; its device address, or None), ``doorbell_write(device_address, value)``
-      (enqueue a store that runs after every put so far has landed; non-blocking) and
-      ``doorbell_unmap(address)``; or None. Links whose puts are device launches into peer-mapped memory
-      on one host offer it (kvtransport.doorbell: the receiver sees completion without the side channel).
+    * :class:`CompletionMarks` (``mark``/``landed``): a signal whose puts already landed is sent from the
+      caller's thread instead of the signaller thread (ucx, mscclpp).
+    * :class:`FlushAndSend` (``flush_and_send``): the signaller's flush writes the signal batch to the side
+      channel from the same GIL-free wait that saw the puts land (ucx's C helper).
+    * ``doorbell`` (below): a :class:`DoorbellWriter`, or None.
     """
 
-    doorbell: Any = None
+    doorbell: DoorbellWriter | None = None
+    """The link's device-written doorbell, or None (the default). Read once, right after connect: set it in
+    the constructor. Links whose puts are device launches into peer-mapped memory on one host offer one."""
 
     @abstractmethod
     def put(self, layer: int, runs: Sequence[BlockRun]) -> None:
@@ -129,6 +174,56 @@ class OutboundLink(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release resources; must return promptly even with work in flight."""
+
+
+class CompletionMarks(ABC):
+    """Optional capability of an :class:`OutboundLink`: what has landed, known without waiting.
+
+    Called by the core's sending side: ``mark`` on a caller's thread for each frame queued behind puts
+    (signal, cancel, checksum), with no core lock held and possibly while another thread puts; ``landed``
+    after puts and signals, on a caller's thread or the signaller thread, one call at a time (under the
+    link's ``_send_order``) and possibly while the core holds the link's state lock. So neither may block,
+    take a lock another thread holds for long, or call back into the core. Neither should raise: an
+    exception reaches the API call during which it was asked (caller's thread), or fails the link's queued
+    signals (signaller thread)."""
+
+    @abstractmethod
+    def mark(self) -> Any:
+        """An opaque token for everything issued so far (compared only by :meth:`landed`). Non-blocking."""
+
+    @abstractmethod
+    def landed(self, token: Any) -> bool:
+        """Whether everything issued before ``token`` was taken has landed, as far as is known without
+        progressing or waiting (False when unsure). Non-blocking."""
+
+
+class FlushAndSend(ABC):
+    """Optional capability of an :class:`OutboundLink` of a one-sided backend: flush, then write bytes to the
+    side channel's socket from the same wait, so a signal leaves the moment its puts land (not when the
+    signaller thread next gets the interpreter)."""
+
+    @abstractmethod
+    def flush_and_send(
+        self,
+        timeout: float,
+        fd: int = -1,
+        data: bytes = b"",
+        parking: Parking | None = None,
+        on_wait: Callable[[Mailbox], None] | None = None,
+    ) -> int:
+        """Like :meth:`OutboundLink.flush`; then, from the wait that saw the puts land, write ``data`` (whole
+        frames) to the socket ``fd``. Returns how many bytes of ``data`` it wrote (0 when the flush had
+        nothing to wait for, or when it cannot write from the wait); the core writes the rest. ``fd`` -1 and
+        no ``data``: a plain flush.
+
+        Called by the core's signaller thread only, while it holds the side channel's send lock (nobody else
+        writes to ``fd`` meanwhile). Blocking, bounded by ``timeout``; raises like ``flush``
+        (TransferTimeout, PeerDisconnected, TransferError). ``parking`` (the link's :class:`Parking`, or
+        None): call its ``park()`` before each wait without the GIL, and have the wait set its ``since`` and
+        clear its ``flag`` when the thread needs the interpreter again. ``on_wait(mailbox)``, when given, is
+        called before a wait that can write from its end (never otherwise, at most once): while the wait is
+        on, the core may ``mailbox.append(bytes)`` from another thread to have them written right after
+        ``data``, and closes the mailbox after this returns."""
 
 
 class InboundLink(ABC):

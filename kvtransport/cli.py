@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
 def format_error(exc: BaseException, where: str) -> str:
     """The one-line report of ``exc`` (plus its ``fix:`` line, when it has one) for command ``where``.
     A RoleFailed of the test harness is reported as the error its process raised, naming the process."""
-    from .testing.harness import HarnessError, RoleFailed
+    from .workload.harness import HarnessError, RoleFailed
 
     origin = ""
     if isinstance(exc, RoleFailed) and exc.error is not None:
@@ -104,14 +104,14 @@ def format_error(exc: BaseException, where: str) -> str:
 
 def _typed(exc: BaseException) -> bool:
     """Whether ``exc`` gets the one-line report: a KVTransportError, or a child process's failure."""
-    from .testing.harness import HarnessError
+    from .workload.harness import HarnessError
 
     return isinstance(exc, KVTransportError | HarnessError)
 
 
 def exit_code(exc: BaseException) -> int:
     """2 for a ConfigurationError (here or in a child process), 1 for any other reported error."""
-    from .testing.harness import RoleFailed
+    from .workload.harness import RoleFailed
 
     if isinstance(exc, RoleFailed) and exc.error is not None:
         exc = exc.error

@@ -185,8 +185,9 @@ def allocation_extents(extents: Sequence[tuple[int, int]]) -> list[tuple[int, in
     return out
 
 
-class _Driver:
-    """The CUDA driver calls of the launch path, through ctypes (each call releases the GIL, ~1 µs)."""
+class Driver:
+    """The CUDA driver calls of the launch path, through ctypes (each call releases the GIL, ~1 µs).
+    Backends subclass it to bind further calls from ``lib`` (e.g. CUDA IPC's)."""
 
     NOT_READY = 600
 
@@ -230,6 +231,10 @@ class _Driver:
             msg = ctypes.c_char_p()
             self._error_string(rc, ctypes.byref(msg))
             raise TransferError(f"{what} failed: CUDA error {rc} ({(msg.value or b'?').decode()})")
+
+
+_Driver = Driver
+"""The name this module creates its drivers through (tests substitute a fake driver here)."""
 
 
 class Mark:

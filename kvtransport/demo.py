@@ -19,8 +19,8 @@ import statistics
 import time
 from typing import Any
 
-from .testing.cache import PRESETS, CacheSpec, host_copy, make_cache, preset, verify_transfer
-from .testing.harness import RoleLink, run_pair
+from .workload.caches import PRESETS, CacheSpec, host_copy, make_cache, preset, verify_transfer
+from .workload.harness import RoleLink, run_pair
 
 
 def _plan(cfg: dict[str, Any]) -> tuple[list[int], list[int]]:

@@ -26,9 +26,17 @@ backend-specific exception. ``error.fix`` says what to do about it where the mes
     │   │                           holds its share of it
     │   └── ForeignSequence         the sequence belongs to another sender; this sender's event was refused
     └── CommClosed                  the CommManager was closed
+
+Where a caller needs to know *which* sequence or peer an error concerns, it reads ``error.seq_id`` and
+``error.peer`` (None when the error is not about one). A backend turns its library's exceptions into these
+types with :func:`map_errors`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 
 class KVTransportError(Exception):
@@ -36,11 +44,20 @@ class KVTransportError(Exception):
     raise site), empty when the message already says it."""
 
     fix: str = ""
+    seq_id: str | int | None = None
+    """The sequence the error concerns, where there is one (a wait that timed out, a refused signal...)."""
+    peer: str | None = None
+    """The peer the error concerns (its instance id or ``host:port``), where there is one."""
 
-    def __init__(self, *args: object, fix: str | None = None) -> None:
+    def __init__(self, *args: object, fix: str | None = None, seq_id: str | int | None = None,
+                 peer: str | None = None) -> None:
         super().__init__(*args)
         if fix is not None:
             self.fix = fix
+        if seq_id is not None:
+            self.seq_id = seq_id
+        if peer is not None:
+            self.peer = peer
 
 
 class ConfigurationError(KVTransportError):
@@ -124,6 +141,25 @@ class CommClosed(KVTransportError):
     """The CommManager was closed; no further operations are possible."""
 
 
+@contextmanager
+def map_errors(to: type[KVTransportError], what: str, **fields: Any) -> Iterator[None]:
+    r"""Inside the block, an exception that is not a :class:`KVTransportError` (a library's error a backend
+    let through: UCX, NCCL, CUDA, OS errors) becomes ``to(f"{what}: {type}: {message}", **fields)``, chained to
+    the original (``raise ... from``); kvtransport errors and ``BaseException``\s that are not ``Exception``
+    (KeyboardInterrupt, SystemExit) pass unchanged. ``fields``: ``fix``, ``seq_id``, ``peer``. The pattern of
+    httpx's ``map_exceptions``: one place decides how foreign errors look to our callers.
+
+        with map_errors(TransferError, f"{backend} flush failed", peer=label):
+            link.flush(timeout)
+    """
+    try:
+        yield
+    except KVTransportError:
+        raise
+    except Exception as exc:
+        raise to(f"{what}: {type(exc).__name__}: {exc}", **fields) from exc
+
+
 __all__ = [
     "BackendUnavailable",
     "CommClosed",
@@ -144,4 +180,5 @@ __all__ = [
     "TransferTimeout",
     "UnknownBackend",
     "VersionMismatch",
+    "map_errors",
 ]

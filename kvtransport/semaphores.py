@@ -118,7 +118,7 @@ class SequenceTable:
                         st.peer = peer
                         self._held[peer] = self._held.get(peer, 0) + 1
                     elif remote and st.peer != peer:
-                        raise ForeignSequence(f"sequence {seq_id!r} belongs to another sender")
+                        raise ForeignSequence(f"sequence {seq_id!r} belongs to another sender", seq_id=seq_id)
                 return st
             if remote and seq_id in self._tombstones:
                 return None
@@ -307,7 +307,7 @@ class SequenceTable:
                     what = f"layer {layer} of sequence" if layer is not None else "sequence"
                     raise TransferTimeout(
                         f"{what} {seq_id!r} did not land within {timeout:.3g}s "
-                        f"(layers landed: {len(st.layers)}/{self.num_layers})"
+                        f"(layers landed: {len(st.layers)}/{self.num_layers})", seq_id=seq_id
                     )
                 poller = self.poller
                 if poller is None:

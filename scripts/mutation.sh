@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Mutation testing (mutmut 3.8.1) of the safety modules: coalesce, semaphores, wire, layout, checks and the
-# receive-side checks of manager.py (stage "core"), and the vLLM connector's scheduler rules (stage
+# receive-side checks of manager.py and receiving.py (stage "core"), and the vLLM connector's scheduler rules (stage
 # "scheduler"). Report and every survivor explained: docs/mutation.md.
 #
 #   bash scripts/mutation.sh                        # both stages (a few hours on one core)
@@ -27,19 +27,20 @@ fi
 export KVT_HYPOTHESIS_MAX_EXAMPLES=${KVT_HYPOTHESIS_MAX_EXAMPLES:-200} HYPOTHESIS_PROFILE=ci
 CHILDREN=${MUTMUT_CHILDREN:-1}
 
-# Of manager.py, the receiver's checks of what a peer sends: admission (the secret), the handshake
-# (compatibility, one link per sender, our proof of the secret), the bounds of SIGNAL, PUT, CHECKSUM and CANCEL
-# frames, the doorbell's layer filter and the checksum verification. The sender side is left out.
+# Of manager.py and receiving.py (the receiving side split out of it), the receiver's checks of what a peer
+# sends: admission (the secret), the handshake (compatibility, one link per sender, our proof of the secret),
+# the bounds of SIGNAL, PUT, CHECKSUM and CANCEL frames, the doorbell's layer filter and the checksum
+# verification. The sender side (sending.py, parking.py) is left out.
 MANAGER_RECEIVE_CHECKS=(
   'kvtransport.manager.xǁCommManagerǁ_check_compatible__mutmut_*'
   'kvtransport.manager.xǁCommManagerǁ_on_hello__mutmut_*'
-  'kvtransport.manager.x__hello_length__mutmut_*'
-  'kvtransport.manager.xǁ_Inboundǁserve__mutmut_*'
-  'kvtransport.manager.xǁ_Inboundǁ_handshake__mutmut_*'
-  'kvtransport.manager.xǁ_Inboundǁ_on_frame__mutmut_*'
-  'kvtransport.manager.xǁ_Inboundǁ_on_put__mutmut_*'
-  'kvtransport.manager.xǁ_Inboundǁ_verify__mutmut_*'
-  'kvtransport.manager.xǁ_Inboundǁpoll_bell__mutmut_*'
+  'kvtransport.receiving.x__hello_length__mutmut_*'
+  'kvtransport.receiving.xǁ_Inboundǁserve__mutmut_*'
+  'kvtransport.receiving.xǁ_Inboundǁ_handshake__mutmut_*'
+  'kvtransport.receiving.xǁ_Inboundǁ_on_frame__mutmut_*'
+  'kvtransport.receiving.xǁ_Inboundǁ_on_put__mutmut_*'
+  'kvtransport.receiving.xǁ_Inboundǁ_verify__mutmut_*'
+  'kvtransport.receiving.xǁ_Inboundǁpoll_bell__mutmut_*'
 )
 CORE=('kvtransport.coalesce.*' 'kvtransport.semaphores.*' 'kvtransport.wire.*' 'kvtransport.layout.*'
       'kvtransport.checks.*' "${MANAGER_RECEIVE_CHECKS[@]}")
@@ -64,7 +65,8 @@ def toml(v):
 lines = ["# written by scripts/mutation.sh: the scheduler stage of the mutation run", "[tool.pytest.ini_options]"]
 lines += [f"{k} = {toml(v)}" for k, v in ini.items()]
 lines += ["", "[tool.mutmut]",
-          'source_paths = ["kvtransport_vllm/scheduler.py"]',
+          'source_paths = ["kvtransport_vllm/scheduler.py", "kvtransport_vllm/producer.py", '
+          '"kvtransport_vllm/consumer.py", "kvtransport_vllm/pushplan.py"]',
           'also_copy = ["kvtransport_vllm/", "tests/"]',
           'pytest_add_cli_args_test_selection = ["tests/integration/test_scheduler_connector.py"]',
           "do_not_mutate_patterns = ['\\blog\\.(debug|info|warning|error|exception)\\(', '^\\s*raise \\w+(\\.\\w+)?\\(']",

@@ -33,9 +33,9 @@ def collect(work: Path, manager_patterns: list[str]) -> dict[str, dict[str, str]
     for meta in sorted((work / "mutants").rglob("*.py.meta")):
         codes: dict[str, int | None] = json.loads(meta.read_text())["exit_code_by_key"]
         module = str(meta.relative_to(work / "mutants"))[: -len(".py.meta")].replace("/", ".")
-        if module == "kvtransport.manager":
+        if module in ("kvtransport.manager", "kvtransport.receiving"):
             codes = {k: v for k, v in codes.items() if any(fnmatch.fnmatch(k, p) for p in manager_patterns)}
-            module = "kvtransport.manager (receive checks)"
+            module = f"{module} (receive checks)"
         out[module] = {name: status(code) for name, code in codes.items()}
     return out
 

@@ -15,7 +15,7 @@ import pytest
 import kvtransport as kt
 from kvtransport import registry, wire
 from kvtransport.sidechannel import FramedSocket
-from kvtransport.testing.cache import CacheSpec, HostCache
+from kvtransport.workload.caches import CacheSpec, HostCache
 
 SPEC = CacheSpec(num_layers=2, num_blocks=8, heads=2, block_size=4, head_dim=8, order="NHD")
 BACKENDS = ["inproc"] + [

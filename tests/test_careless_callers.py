@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import kvtransport as kt
 from kvtransport import checks
-from kvtransport.testing.cache import CacheSpec, HostCache
+from kvtransport.workload.caches import CacheSpec, HostCache
 
 SPEC = CacheSpec(num_layers=3, num_blocks=16, heads=2, block_size=4, head_dim=8, order="NHD")
 

@@ -13,7 +13,7 @@ import pytest
 from kvtransport import __version__, cli, doctor
 from kvtransport.backend import Finding
 from kvtransport.errors import InterfaceNotFound
-from kvtransport.testing.harness import RoleFailed, run_pair
+from kvtransport.workload.harness import RoleFailed, run_pair
 
 
 def kvt(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:

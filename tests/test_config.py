@@ -10,7 +10,7 @@ import kvtransport as kt
 from kvtransport import config, registry
 from kvtransport.backend import Availability, BackendSpec
 from kvtransport.config import env_bool, env_float, env_int, parse_bool, read_env, resolve
-from kvtransport.testing.cache import HostCache, preset
+from kvtransport.workload.caches import HostCache, preset
 
 LAYOUT = HostCache(preset("llama-3.1-8b", 4)).layout
 

@@ -211,7 +211,7 @@ def _putter(copier, cut_window_at=None):
     """A MappedPutter between two host caches, the peer "mapped" at its own addresses (optionally in two
     windows cut at ``cut_window_at`` bytes into the peer's backing)."""
     from kvtransport.coalesce import coalesce
-    from kvtransport.testing.cache import CacheSpec, HostCache
+    from kvtransport.workload.caches import CacheSpec, HostCache
 
     spec = CacheSpec(num_layers=4, num_blocks=40, heads=2, block_size=4, head_dim=16, order="NHD")
     src, dst = HostCache(spec, fill_seed=3), HostCache(spec)

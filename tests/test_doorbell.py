@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import kvtransport as kt
 from kvtransport import doorbell
-from kvtransport.testing.cache import CacheSpec, HostCache, verify_transfer
+from kvtransport.workload.caches import CacheSpec, HostCache, verify_transfer
 
 SPEC = CacheSpec(num_layers=2, num_blocks=16, heads=1, block_size=4, head_dim=8, order="NHD")
 

@@ -12,8 +12,8 @@ import pytest
 
 from kvtransport import registry
 from kvtransport.admission import MAX_PENDING, MAX_PENDING_BYTES
-from kvtransport.testing.harness import run_pair
 from kvtransport.wire import FRAME_HEADER
+from kvtransport.workload.harness import run_pair
 
 BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(not registry.probe(b).ok, reason=f"{b}: {registry.probe(b).reason}"))
             for b in ("ucx", "nccl")]
@@ -127,7 +127,7 @@ def test_checksums_for_sequences_never_signalled_are_bounded() -> None:
 
     import kvtransport as kt
     from kvtransport.manager import MAX_PENDING_CHECKSUMS
-    from kvtransport.testing.cache import CacheSpec, HostCache
+    from kvtransport.workload.caches import CacheSpec, HostCache
 
     spec = CacheSpec(num_layers=1, num_blocks=4, heads=1, block_size=2, head_dim=4, order="NHD")
     src, dst = HostCache(spec, fill_seed=1), HostCache(spec)
@@ -162,7 +162,7 @@ def test_a_two_sided_put_beyond_the_block_range_drops_the_link_and_writes_nothin
 
     import kvtransport as kt
     from kvtransport import BlockRun, wire
-    from kvtransport.testing.cache import CacheSpec, HostCache
+    from kvtransport.workload.caches import CacheSpec, HostCache
 
     if not registry.probe("nccl").ok:
         pytest.skip(f"nccl: {registry.probe('nccl').reason}")
@@ -246,7 +246,7 @@ def test_finished_threads_are_forgotten_after_connect_close_cycles(backend: str)
     import traceback
 
     import kvtransport as kt
-    from kvtransport.testing.cache import CacheSpec, HostCache
+    from kvtransport.workload.caches import CacheSpec, HostCache
 
     spec = CacheSpec(num_layers=1, num_blocks=8, heads=1, block_size=2, head_dim=4, order="NHD")
     src, dst = HostCache(spec, fill_seed=1), HostCache(spec)

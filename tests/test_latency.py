@@ -21,8 +21,8 @@ import kvtransport as kt
 from kvtransport import wire
 from kvtransport.semaphores import SequenceTable
 from kvtransport.sidechannel import RECV_CHUNK, FramedSocket
-from kvtransport.testing.cache import CacheSpec, HostCache
 from kvtransport.wire import FrameType
+from kvtransport.workload.caches import CacheSpec, HostCache
 
 SPEC = CacheSpec(num_layers=8, num_blocks=8, heads=2, block_size=4, head_dim=8, order="NHD")
 
@@ -282,12 +282,12 @@ def test_peer_closing_mid_frame_is_a_protocol_error(chan):
 
 # ---------------------------------------------------------------------- cooperative GIL hand-off
 def test_parking_hand_off_is_bounded_and_only_when_needed(monkeypatch):
-    from kvtransport import manager
+    from kvtransport import manager, parking
 
     # Timing on a loaded 2-core CI VM: a thread start or a preemption can exceed YIELD_S (2 ms). So the
     # "returns at once" and "returns when park() comes" checks run with a 5 s bound (they must come back far
     # sooner), and only the last check, "nobody parks: bounded", uses the real bound.
-    monkeypatch.setattr(manager, "YIELD_S", 5.0)
+    monkeypatch.setattr(parking, "YIELD_S", 5.0)
     p = manager._Parking()
     t0 = time.monotonic()
     p.yield_to_signaller()  # parked: returns at once

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvtransport import KVLayout, LayoutError
 from kvtransport.layout import iter_segments
-from kvtransport.testing.cache import ORDERS, CacheSpec, HostCache
+from kvtransport.workload.caches import ORDERS, CacheSpec, HostCache
 
 L, B, H, N, D = 3, 10, 4, 16, 8  # layers, blocks, kv heads, block size, head size
 

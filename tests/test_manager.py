@@ -11,7 +11,7 @@ import pytest
 
 import kvtransport as kt
 from kvtransport import wire
-from kvtransport.testing.cache import CacheSpec, HostCache, verify_transfer
+from kvtransport.workload.caches import CacheSpec, HostCache, verify_transfer
 
 SPEC = CacheSpec(num_layers=3, num_blocks=16, heads=2, block_size=4, head_dim=8, order="NHD")
 

@@ -32,6 +32,7 @@ from kvtransport import (
     SlotsExhausted,
     TransferError,
     manager,
+    receiving,
     wire,
 )
 from kvtransport.checks import MAX_TIMEOUT_S, block_id_list, layer_list, timeout_seconds
@@ -40,7 +41,7 @@ from kvtransport.layout import iter_segments, pieces_crc32
 from kvtransport.semaphores import SequenceTable
 from kvtransport.sidechannel import FramedSocket
 from kvtransport.testing import inproc
-from kvtransport.testing.cache import CacheSpec, HostCache
+from kvtransport.workload.caches import CacheSpec, HostCache
 
 # ---------------------------------------------------------------------------------------------- coalesce
 
@@ -577,7 +578,7 @@ def test_a_put_for_a_finished_sequence_is_discarded_without_a_refusal(two_sided:
 
 @pytest.fixture
 def checked(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[kt.CommManager, kt.CommManager, kt.Peer, HostCache]]:
-    monkeypatch.setattr(manager, "MAX_PENDING_CHECKSUMS", 8)
+    monkeypatch.setattr(receiving, "MAX_PENDING_CHECKSUMS", 8)
     src, dst = HostCache(SPEC2, fill_seed=3), HostCache(SPEC2)
     with kt.open(src.layout, backend="inproc", checksum=True) as s, \
             kt.open(dst.layout, backend="inproc", checksum=True) as r:

@@ -1,4 +1,4 @@
-"""Two hosts on one machine (network namespaces joined by a veth pair, kvtransport.testing.netns): NET_IFNAME
+"""Two hosts on one machine (network namespaces joined by a veth pair, kvtransport.workload.netns): NET_IFNAME
 for real, every listener bound to that interface only, the TCP path named, and a network partition.
 
 Needs root and iproute2 (CI runs as root); elsewhere every test here skips with the reason.
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from kvtransport import registry
-from kvtransport.testing import netns
-from kvtransport.testing.harness import run_pair
+from kvtransport.workload import netns
+from kvtransport.workload.harness import run_pair
 
 pytest.importorskip("numpy")
 REASON = netns.unavailable_reason()

@@ -156,8 +156,8 @@ def use_device(device: str) -> None:
 
 
 def make_cache(spec: Any, device: str, fill: int | None) -> Any:
-    """A preset KV cache (testing.cache) on ``device``, every byte set to ``fill`` (0 if None)."""
-    from ..testing.cache import CudaCache, HostCache
+    """A preset KV cache (workload.caches) on ``device``, every byte set to ``fill`` (0 if None)."""
+    from ..workload.caches import CudaCache, HostCache
 
     if device == "cpu":
         cache: Any = HostCache(spec)

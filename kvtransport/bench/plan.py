@@ -126,7 +126,7 @@ class KVShape:
 
 def kv_shape(preset: str, tokens: int) -> KVShape:
     """The KVShape of a preset request; pools hold 25% more blocks than the request (at least 16)."""
-    from ..testing.cache import PRESETS
+    from ..workload.caches import PRESETS
 
     layers, heads, head_dim, itemsize = PRESETS[preset]
     piece = heads * BLOCK_SIZE * 2 * head_dim * itemsize

@@ -1,4 +1,4 @@
-"""kvtransport workloads as (receiver, sender) role pairs for :func:`kvtransport.testing.harness.run_pair`.
+"""kvtransport workloads as (receiver, sender) role pairs for :func:`kvtransport.workload.harness.run_pair`.
 
 Every timed repetition follows one protocol: both roles meet at a barrier named after the sequence id;
 the sender stamps ``t0`` and issues the work through the public API; the receiver stamps ``t1`` when
@@ -55,7 +55,7 @@ def _recv_reps(link: Any, cm: Any, seqs: list[str], timeout: float) -> list[floa
 
 
 def _spec(shape: dict[str, Any]) -> Any:
-    from ..testing.cache import preset
+    from ..workload.caches import preset
 
     return preset(shape["preset"], shape["pool_blocks"], "NHD")
 

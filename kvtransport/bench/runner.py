@@ -125,7 +125,7 @@ def parse_args(argv: list[str] | None) -> Options:
     opts.extra["quiet_wait_s"] = (a.quiet_wait_s if a.quiet_wait_s is not None
                                   else 0.0 if (a.smoke or device == "cuda") else 120.0)
     if opts.netns:
-        from ..testing.netns import unavailable_reason
+        from ..workload.netns import unavailable_reason
 
         why = unavailable_reason()
         if why:
@@ -138,7 +138,7 @@ def parse_args(argv: list[str] | None) -> Options:
     for p in opts.patterns:
         if p not in ID_PATTERNS:
             ap.error(f"unknown block-id pattern {p!r}; choose from {', '.join(ID_PATTERNS)}")
-    from ..testing.cache import PRESETS
+    from ..workload.caches import PRESETS
 
     for p in (*opts.presets, opts.latency_preset):
         if p not in PRESETS:
@@ -184,7 +184,7 @@ class Bench:
         else:
             self.send_device = self.recv_device = "cpu"
         self.budget, self.budget_note = memory_budget(opts)
-        self.hosts: dict[str, Any] | None = None  # --netns: role -> testing.netns.Host
+        self.hosts: dict[str, Any] | None = None  # --netns: role -> workload.netns.Host
 
     # ---------------------------------------------------------------- planning
     def backends(self) -> tuple[list[str], list[dict[str, Any]]]:
@@ -310,7 +310,7 @@ class Bench:
     def pair(self, module: str, role: str, cfg: dict[str, Any], est_s: float, system: str,
              workload: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """Run one role pair; on failure record an error and return None."""
-        from ..testing.harness import HarnessError, run_pair
+        from ..workload.harness import HarnessError, run_pair
 
         timeout = 120.0 + 3.0 * est_s
         waited, quiet = self.wait_quiet(f"{system} {workload}")
@@ -364,7 +364,7 @@ class Bench:
         """Measure everything (between two network namespaces with --netns; they are removed at the end)."""
         if not self.opts.netns:
             return self._run()
-        from ..testing.netns import remove_stale, two_hosts
+        from ..workload.netns import remove_stale, two_hosts
 
         remove_stale()
         with two_hosts() as net:

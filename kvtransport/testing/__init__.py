@@ -1,7 +1,7 @@
-"""The test kit: an in-process reference backend (``inproc``), a two-process harness, vLLM-shaped caches,
-the conformance suite every backend adopts, and fault scenarios. ``import kvtransport.testing`` itself loads
-neither numpy nor pytest; its modules that build caches (``cache``, and ``conformance``/``faults``/``demo``
-through it) need numpy."""
+"""The test kit: an in-process reference backend (``inproc``), the conformance suite every backend adopts, and
+fault and hostile-peer scenarios. The caches, presets and two-process harness they run on are shared with the
+demo and the bench and live in :mod:`kvtransport.workload`. ``import kvtransport.testing`` itself loads
+neither numpy nor pytest; its modules that build caches (``conformance``, ``faults``, ``hostile``) need numpy."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ Adopt it with::
         backend = "mine"
         device = "cpu"            # or "cuda"; two-GPU runs put the receiver on cuda:1
 
-Each test spawns a receiver and a sender process (see :mod:`kvtransport.testing.harness`); the role
+Each test spawns a receiver and a sender process (see :mod:`kvtransport.workload.harness`); the role
 functions below are the scenarios, usable on their own (``run_pair``) for GPU scripts too.
 """
 
@@ -32,10 +32,10 @@ from .. import (
     TransferTimeout,
 )
 from .. import open as kv_open
+from ..workload.caches import ORDERS, CacheSpec, host_copy, make_cache, verify_transfer
+from ..workload.harness import RoleLink, run_pair
 from . import pair_devices
-from .cache import ORDERS, CacheSpec, host_copy, make_cache, verify_transfer
 from .faults import KILL_SPEC
-from .harness import RoleLink, run_pair
 
 WAIT = 60.0
 

@@ -19,9 +19,9 @@ from .. import (
     TransferTimeout,
 )
 from .. import open as kv_open
+from ..workload.caches import CacheSpec, make_cache, read_block, zero_block
+from ..workload.harness import RoleLink
 from . import pair_devices
-from .cache import CacheSpec, make_cache, read_block, zero_block
-from .harness import RoleLink
 
 KILL_SPEC = CacheSpec(num_layers=2, num_blocks=64, heads=2, block_size=4, head_dim=16, itemsize=2, order="HND")
 STORM_SPEC = CacheSpec(num_layers=3, num_blocks=64, heads=1, block_size=4, head_dim=32, itemsize=2, order="NHD")

@@ -1,5 +1,5 @@
 """Roles for tests against hostile peers and transient shortages (run in real processes by
-:func:`kvtransport.testing.harness.run_pair`). Each returns a JSON-able dict for the test to judge.
+:func:`kvtransport.workload.harness.run_pair`). Each returns a JSON-able dict for the test to judge.
 
 * ``shortage_*``: the receiver runs out of file descriptors (a real RLIMIT_NOFILE, exhausted by a flood
   of plain TCP connections) and, afterwards, cannot start a thread for its first connections; then a real
@@ -31,8 +31,8 @@ from kvtransport import open as kv_open
 from kvtransport import wire
 from kvtransport.admission import MAX_PENDING_BYTES
 
-from .cache import CacheSpec, HostCache, verify_transfer
-from .harness import RoleLink
+from ..workload.caches import CacheSpec, HostCache, verify_transfer
+from ..workload.harness import RoleLink
 
 SPEC = CacheSpec(num_layers=2, num_blocks=32, heads=2, block_size=8, head_dim=16, order="NHD")
 PAIRS = [(1, 20), (2, 21), (3, 22), (7, 5)]
@@ -191,6 +191,13 @@ class _Sampler:
         self._base = set(baseline_kvt)
         self._on.set()
 
+    def observe(self, kvt: list[str]) -> None:
+        """Count a snapshot of ``kvt-`` threads taken elsewhere (the sampler's interval may miss a moment that
+        a round's own snapshot holds)."""
+        extra = [n for n in kvt if n not in self._base]
+        self.extra_kvt.update(extra)
+        self.max_extra_kvt = max(self.max_extra_kvt, len(extra))
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(5)
@@ -262,6 +269,7 @@ def flood_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
                 "problems": verify_transfer(dst, HostCache(SPEC, fill_seed=100 + k), _round_plan(k)),
                 "threads": _os_threads(), "kvt": _kvt_threads(), "inbound": len(cm.inbound_peers()),
                 "admission": _admission_stats(cm)})
+            sampler.observe(out["rounds"][-1]["kvt"])
             link.barrier(f"round-{k}")
         counts = link.recv_value()  # the flood is over: the sender closed every connection and its managers
         base_threads = out["baseline"]["threads"]
@@ -554,9 +562,9 @@ def checksums_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
     """Debug checksums on, MAX_PENDING_CHECKSUMS set to ``cfg["bound"]`` (read at each CHECKSUM frame). A
     sender puts without ever signalling until that many checksums wait here (its link must stay up), then one
     more (its link must drop); then another sender is served."""
-    from kvtransport import manager
+    from kvtransport import receiving
 
-    manager.MAX_PENDING_CHECKSUMS = bound = cfg["bound"]
+    receiving.MAX_PENDING_CHECKSUMS = bound = cfg["bound"]
     dst = HostCache(SPEC)
     out: dict[str, Any] = {}
     with kv_open(dst.layout, backend=cfg["backend"], checksum=True, timeout=10) as cm:
@@ -636,9 +644,9 @@ def nacks_sender(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
     """MAX_FAILED_RECORDS set to ``cfg["bound"]`` (read at each NACK). Counts the NACKs as they arrive, then
     reports how many failure records its link holds and which made-up sequences still raise; then transfers
     over the same link."""
-    from kvtransport import manager
+    from kvtransport import sending
 
-    manager.MAX_FAILED_RECORDS = cfg["bound"]
+    sending.MAX_FAILED_RECORDS = cfg["bound"]
     meta = link.peer_metadata()
     src = HostCache(SPEC, fill_seed=7)
     n = cfg["bound"] + NACKS_BEYOND

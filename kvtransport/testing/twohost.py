@@ -1,5 +1,5 @@
-"""Scenarios between two "hosts" (network namespaces joined by a veth pair, :mod:`kvtransport.testing.netns`),
-as role pairs for :func:`kvtransport.testing.harness.run_pair` with ``hosts=``.
+"""Scenarios between two "hosts" (network namespaces joined by a veth pair, :mod:`kvtransport.workload.netns`),
+as role pairs for :func:`kvtransport.workload.harness.run_pair` with ``hosts=``.
 
 * ``bound_*``: fragmented vLLM-shaped transfers over NET_IFNAME's interface, verified byte for byte; while
   the link is up, each side lists its listening sockets and tries to reach each of them from loopback and,
@@ -23,10 +23,10 @@ from typing import Any
 
 from .. import KVTransportError
 from .. import open as kv_open
-from .cache import CacheSpec, HostCache, preset
+from ..workload.caches import CacheSpec, HostCache, preset
+from ..workload.harness import RoleLink
+from ..workload.netns import Host, connect_error, listening_sockets
 from .conformance import plan_transfers
-from .harness import RoleLink
-from .netns import Host, connect_error, listening_sockets
 
 WAIT = 60.0
 

@@ -19,7 +19,7 @@ import pytest
 
 import kvtransport as kt
 from kvtransport import registry
-from kvtransport.testing.cache import CacheSpec, HostCache, verify_transfer
+from kvtransport.workload.caches import CacheSpec, HostCache, verify_transfer
 
 pytestmark = pytest.mark.skipif(not registry.probe("ucx").ok, reason=f"ucx backend unavailable: {registry.probe('ucx').reason}")
 SPEC = CacheSpec(num_layers=4, num_blocks=32, heads=2, block_size=16, head_dim=64, order="NHD")
@@ -31,10 +31,10 @@ def helper_mode(request, monkeypatch):
     from kvtransport_ucx import _ucp
 
     if request.param == "python":
-        monkeypatch.setattr(_ucp, "_helper", None)
-        monkeypatch.setattr(_ucp, "_helper_tried", True)
-        monkeypatch.setattr(_ucp, "_wait_helpers_obj", None)
-        monkeypatch.setattr(_ucp, "_wait_helpers_tried", True)
+        monkeypatch.setattr("kvtransport_ucx._ucp_helper._helper", None)
+        monkeypatch.setattr("kvtransport_ucx._ucp_helper._helper_tried", True)
+        monkeypatch.setattr("kvtransport_ucx._ucp_helper._wait_helpers_obj", None)
+        monkeypatch.setattr("kvtransport_ucx._ucp_helper._wait_helpers_tried", True)
     elif _ucp.wait_helpers() is None:
         pytest.skip("no C compiler for the helper")
     return request.param

@@ -191,7 +191,7 @@ def test_open_with_ib_requested_reports_the_missing_rdma_device(monkeypatch: pyt
     from kvtransport_mscclpp.transport import MscclppTransport
 
     from kvtransport.config import resolve
-    from kvtransport.testing.cache import CacheSpec, make_cache
+    from kvtransport.workload.caches import CacheSpec, make_cache
 
     monkeypatch.setattr(native, "ib_devices", lambda *a, **k: [])
     monkeypatch.setattr(native, "build_info", lambda: native.BuildInfo(installed=True, library="x", ib_compiled=True))

@@ -9,7 +9,7 @@ import pytest
 
 import kvtransport as kt
 from kvtransport import registry
-from kvtransport.testing.cache import CacheSpec, HostCache, verify_transfer
+from kvtransport.workload.caches import CacheSpec, HostCache, verify_transfer
 
 pytestmark = pytest.mark.skipif(not registry.probe("nccl").ok, reason=f"nccl backend unavailable: {registry.probe('nccl').reason}")
 SPEC = CacheSpec(num_layers=2, num_blocks=8, heads=2, block_size=4, head_dim=8, order="NHD")

@@ -193,8 +193,8 @@ def loopback() -> Any:
 def test_put_batch_input_kinds(loopback: Any, monkeypatch: pytest.MonkeyPatch, impl: str, kind: str) -> None:
     _ctx, ep, rkey, dst = loopback
     if impl == "python":
-        monkeypatch.setattr(_ucp, "_helper", None)
-        monkeypatch.setattr(_ucp, "_helper_tried", True)
+        monkeypatch.setattr("kvtransport_ucx._ucp_helper._helper", None)
+        monkeypatch.setattr("kvtransport_ucx._ucp_helper._helper_tried", True)
     elif _ucp.batch_impl() != "c":
         pytest.skip("no C compiler for the batch helper")
     src = np.random.default_rng(1).integers(0, 256, 64 * 1024, dtype=np.uint8)
@@ -337,7 +337,7 @@ def _load_error_in_subprocess(prelude: str = "", patch: str = "") -> str:
 
 @pytest.mark.timeout(120)
 def test_unverified_version_is_refused() -> None:
-    msg = _load_error_in_subprocess(patch="_ucp.VERIFIED_VERSIONS = frozenset({(9, 99)})")
+    msg = _load_error_in_subprocess(patch="from kvtransport_ucx import _ucp_lib; _ucp_lib.VERIFIED_VERSIONS = frozenset({(9, 99)})")
     assert "not a version" in msg and "9.99" in msg, msg
 
 

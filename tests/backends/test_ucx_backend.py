@@ -6,7 +6,7 @@ import pytest
 
 import kvtransport as kt
 from kvtransport import registry
-from kvtransport.testing.cache import CacheSpec, HostCache, verify_transfer
+from kvtransport.workload.caches import CacheSpec, HostCache, verify_transfer
 
 pytestmark = pytest.mark.skipif(not registry.probe("ucx").ok, reason=f"ucx backend unavailable: {registry.probe('ucx').reason}")
 SPEC = CacheSpec(num_layers=2, num_blocks=32, heads=2, block_size=16, head_dim=64, order="HND")
@@ -56,7 +56,7 @@ ALTERED_METADATA_CHILD = r"""
 import json, sys
 import kvtransport as kt
 from kvtransport import wire
-from kvtransport.testing.cache import CacheSpec, HostCache
+from kvtransport.workload.caches import CacheSpec, HostCache
 spec = CacheSpec(num_layers=2, num_blocks=8, heads=2, block_size=4, head_dim=8, order="NHD")
 with kt.open(HostCache(spec).layout, backend="ucx") as r, kt.open(HostCache(spec).layout, backend="ucx") as s:
     meta = wire.decode_metadata(r.metadata())
@@ -96,7 +96,7 @@ def test_altered_ucx_metadata_is_refused_before_it_reaches_libucp(how):
 
 REPEATED_ERRORS_CHILD = r"""
 import kvtransport as kt
-from kvtransport.testing.cache import CacheSpec, HostCache
+from kvtransport.workload.caches import CacheSpec, HostCache
 spec = CacheSpec(num_layers=2, num_blocks=8, heads=2, block_size=4, head_dim=8, order="NHD")
 with kt.open(HostCache(spec).layout, backend="ucx") as r, kt.open(HostCache(spec).layout, backend="ucx") as s:
     ep = s.connect(r.metadata())._state.link.ep

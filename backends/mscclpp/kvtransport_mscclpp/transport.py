@@ -34,6 +34,7 @@ import numpy as np
 from kvtransport.backend import (
     Answer,
     Capabilities,
+    CompletionMarks,
     Dialer,
     InboundLink,
     JSONDict,
@@ -303,7 +304,7 @@ class _Dialer(Dialer):
         return _IpcOutLink(MappedPutter(tr.layout, self.peer.layout, windows, tr.copier()), self.choice, keep)
 
 
-class _IpcOutLink(OutboundLink):
+class _IpcOutLink(OutboundLink, CompletionMarks):
     """CudaIpc: one copy kernel per put into the peer's mapped memory."""
 
     def __init__(self, putter: Any, choice: routing.Choice, keep: list[Any]) -> None:

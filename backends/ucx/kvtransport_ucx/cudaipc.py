@@ -23,8 +23,7 @@ import threading
 import time
 from typing import Any
 
-from kvtransport.cudacopy import PeerWindows, SegmentCopier
-from kvtransport.cudacopy import _Driver as _CopyDriver
+from kvtransport.cudacopy import Driver, PeerWindows, SegmentCopier
 from kvtransport.errors import TransferError, TransferTimeout
 
 from . import _ucp
@@ -40,7 +39,7 @@ class _IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * 64)]
 
 
-class _IpcDriver(_CopyDriver):
+class _IpcDriver(Driver):
     """The copy path's driver calls (address ranges, error wording) plus CUDA IPC's, through ctypes."""
 
     def __init__(self) -> None:
@@ -153,13 +152,13 @@ def wait_in_c(copier: SegmentCopier, mark: Any, timeout: float, after: _ucp.Afte
     if fn and _ucp.wait_helpers() is not None and not _c_wait_refused:
         prev = copier.enter_context()  # the driver call needs the device's context current on this thread
         try:
-            rc = _ucp.wait_query(fn, int(mark.event.ptr), _CopyDriver.NOT_READY,
+            rc = _ucp.wait_query(fn, int(mark.event.ptr), Driver.NOT_READY,
                                  spin_s=SPIN_S, sleep_s=SLEEP_S, timeout_s=timeout, after=after)
         finally:
             copier.leave_context(prev)
         if rc == 0:
             return True
-        if rc == _CopyDriver.NOT_READY:
+        if rc == Driver.NOT_READY:
             raise TransferTimeout(f"CUDA IPC copy did not finish within {timeout:.3g}s")
         _refuse_c_wait(rc)
     copier.wait(mark, max(0.0, deadline - time.monotonic()))  # raises the typed error for a CUDA failure

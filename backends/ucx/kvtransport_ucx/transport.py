@@ -9,11 +9,12 @@ layer only adds its base addresses). ``flush`` waits for remote completion; the 
 signal. A progress thread sleeping on the worker's event fd serves the paths that need the target to
 progress (TCP between hosts); it costs no CPU while idle.
 
-Completion path (see kvtransport.manager._Outbound): the link tells the core what has landed without
-waiting (``mark``/``landed``), so a signal whose puts landed leaves from the caller's thread; small host
-puts land before ``put`` returns (INLINE_PUT_BYTES); ``flush_and_send`` waits in C without the GIL —
-UCX progress for host memory (returning at once when a put waits for the worker), the copy's CUDA event
-for the IPC path — and writes the signal batch to the side channel from that same call.
+Completion path (see kvtransport.sending._Outbound): the link tells the core what has landed without
+waiting (it declares ``CompletionMarks``: ``mark``/``landed``), so a signal whose puts landed leaves from
+the caller's thread; small host puts land before ``put`` returns (INLINE_PUT_BYTES); ``flush_and_send``
+(it declares ``FlushAndSend``) waits in C without the GIL — UCX progress for host memory (returning at
+once when a put waits for the worker), the copy's CUDA event for the IPC path — and writes the signal
+batch to the side channel from that same call.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -35,18 +36,19 @@ import numpy as np
 from kvtransport.backend import (
     Answer,
     Capabilities,
+    CompletionMarks,
     Dialer,
+    FlushAndSend,
     InboundLink,
     JSONDict,
+    Mailbox,
     OutboundLink,
     PeerInfo,
     Transport,
 )
 from kvtransport.coalesce import BlockRun
 from kvtransport.config import Settings, host_id, unknown_option
-from kvtransport.cudacopy import MappedPutter, allocation_extents
-from kvtransport.cudacopy import segments as _segments
-from kvtransport.cudacopy import uniform as _uniform
+from kvtransport.cudacopy import MappedPutter, allocation_extents, segments, uniform
 from kvtransport.errors import (
     BackendUnavailable,
     CommClosed,
@@ -56,6 +58,7 @@ from kvtransport.errors import (
     TransferTimeout,
 )
 from kvtransport.layout import KVLayout
+from kvtransport.parking import Parking
 
 from . import _ucp, cudaipc
 from .spec import UcxSpec
@@ -276,7 +279,7 @@ class _RemoteRegions:
         return i
 
 
-class _UcxOutLink(OutboundLink):
+class _UcxOutLink(OutboundLink, CompletionMarks, FlushAndSend):
     def __init__(self, tr: UcxTransport, peer: PeerInfo) -> None:
         self.tr = tr
         self.remote_layout = peer.layout
@@ -316,11 +319,11 @@ class _UcxOutLink(OutboundLink):
                 log.warning("ucx: CUDA IPC kernel path unavailable (%s); using UCX puts (%s)", exc, self.lanes)
         if self.ipc is not None:
             self.lanes = "cuda-ipc kernel"
-        self.doorbell: Any = self.ipc_putter  # device-written completion words (kvtransport.doorbell)
+        self.doorbell = self.ipc_putter  # device-written completion words (kvtransport.doorbell)
         # Layers with one geometry (vLLM caches) share a segment plan per request: the manager hands every
         # layer of a request the same runs object, so the plan is derived once and each put only adds the
         # layer's base addresses.
-        self.uniform = _uniform(tr.layout) and _uniform(peer.layout)
+        self.uniform = uniform(tr.layout) and uniform(peer.layout)
         self._plans: OrderedDict[int, tuple[Sequence[BlockRun], Any]] = OrderedDict()
         self._lbases = [layer.planes[0].base for layer in tr.layout.layers]
         self._rbases = [layer.planes[0].base for layer in peer.layout.layers]
@@ -352,7 +355,7 @@ class _UcxOutLink(OutboundLink):
         """Layer-relative segments of a put (ready for put_batch_rel), the relative span of its destination,
         and its size in bytes."""
         l0, r0 = self.tr.layout.layers[0], self.remote_layout.layers[0]
-        src, dst, lens = _segments(l0, r0, runs)
+        src, dst, lens = segments(l0, r0, runs)
         src_rel = src - np.uint64(l0.planes[0].base)  # modulo 2**64: adding the base back is exact
         dst_rel = dst - np.uint64(r0.planes[0].base)
         signed = dst.astype(np.int64) - r0.planes[0].base
@@ -391,7 +394,7 @@ class _UcxOutLink(OutboundLink):
                 finally:
                     self.tr.lock.release()
                 return
-        src, dst, lens = _segments(self.tr.layout.layers[layer], self.remote_layout.layers[layer], runs)
+        src, dst, lens = segments(self.tr.layout.layers[layer], self.remote_layout.layers[layer], runs)
         first = self.remote.index(int(dst.min()), 0)
         last = self.remote.index(int(dst.max()), 0)
         self.tr.acquire_for_put()
@@ -440,16 +443,22 @@ class _UcxOutLink(OutboundLink):
         self.flush_and_send(timeout)
 
     def flush_and_send(
-        self, timeout: float, fd: int = -1, data: bytes = b"", parking: Any = None, on_wait: Any = None
+        self,
+        timeout: float,
+        fd: int = -1,
+        data: bytes = b"",
+        parking: Parking | None = None,
+        on_wait: Callable[[Mailbox], None] | None = None,
     ) -> int:
         """Flush; then, in the same GIL-free call that saw the puts land, write ``data`` to the socket ``fd``.
 
         Returns how many bytes of ``data`` were written (the caller writes the rest: 0 when the flush had
-        nothing to wait for, or without the C helper). ``parking`` (the manager's, optional): its
-        ``park()`` is called before each wait without the GIL, and the wait sets its ``since`` (ns) and
-        clears its ``flag`` when the thread needs the interpreter again (see kvtransport.manager._Parking). ``on_wait(mailbox)`` is
-        called before such a wait starts: another thread may ``mailbox.append(bytes)`` to have them written
-        right after ``data`` (the caller closes it after this returns; see ``_ucp.Mailbox``)."""
+        nothing to wait for, or without the C helper). ``parking`` (the core's, optional): its ``park()``
+        is called before each wait without the GIL, and the wait sets its ``since`` (ns) and clears its
+        ``flag`` when the thread needs the interpreter again (see kvtransport.parking.Parking).
+        ``on_wait(mailbox)`` is called before such a wait starts: another thread may
+        ``mailbox.append(bytes)`` to have them written right after ``data`` (the caller closes it after this
+        returns; see ``_ucp.Mailbox``). Contract: kvtransport.backend.FlushAndSend."""
         flag = parking.flag if parking is not None else None
         since = parking.since if parking is not None else None
         after = _ucp.After.make(parked=flag, since=since, fd=fd, data=data)
@@ -491,7 +500,7 @@ class _UcxOutLink(OutboundLink):
             self._landed = max(self._landed, target)
         return max(0, int(after.sent))
 
-    def _wait(self, req: int, deadline: float, timeout: float, after: Any, parking: Any) -> None:
+    def _wait(self, req: int, deadline: float, timeout: float, after: Any, parking: Parking | None) -> None:
         """Drive a flush request to completion: progress in C for as long as it moves data (returning at
         once when a put waits for the worker, which then goes first), then sleep on the worker's event fd
         while it waits for the peer (TCP lanes need the target to progress)."""

@@ -6,10 +6,37 @@ imports nothing from vLLM so the scheduler logic can be unit-tested on its own.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtransport.coalesce import BlockRun
+
+NULL_BLOCK = 0
+"""vLLM's null block: a sliding window's blocks that left the window point at it (never moved)."""
+
+
+class FailureKind(enum.Enum):
+    """Why a decode request's KV will not come (``StepPlan.recv_fail_kind``). The human reason travels with it;
+    the kind is what code branches on (the worker counts a lost prefill as a ``prefill_disconnects`` too)."""
+
+    REFUSED = "refused"
+    """The prefill side said it cannot serve the request (its ``fail`` message: released, unknown transfer,
+    incompatible caches, its push failed...)."""
+    PREFILL_LOST = "prefill_lost"
+    """The prefill's side channel dropped while the request waited for its KV (or for its admission)."""
+    SIDE_CHANNEL_UNUSABLE = "side_channel_unusable"
+    """The decode could not reach the prefill's side channel while the request waited for its admission."""
+    ADMISSION_TIMEOUT = "admission_timeout"
+    """The prefill did not start the transfer within ``transfer_timeout`` (push flow with ``admit_below``)."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A typed failure: what code branches on (``kind``) and what is logged and reported (``reason``)."""
+
+    kind: FailureKind
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -73,6 +100,8 @@ class StepPlan:
     """Decode requests aborted while waiting: stop accepting their data, report finished_recving."""
     recv_fail: dict[str, str] = field(default_factory=dict)
     """Decode requests the prefill side cannot serve -> reason (reported as failed receives)."""
+    recv_fail_kind: dict[str, FailureKind] = field(default_factory=dict)
+    """The kind of each ``recv_fail`` entry (absent: ``FailureKind.REFUSED``)."""
     recv_from: dict[str, dict[int, str]] = field(default_factory=dict)
     """Decode requests -> tp rank -> the kvtransport instance id of the prefill worker that pushes to that
     rank (workers ``expect`` it: no other peer may write, signal or cancel the request)."""

@@ -1,16 +1,10 @@
 """Worker side of the connector (one per TP/PP worker process): owns the kvtransport CommManager.
 
-Prefill role: ``save_kv_layer`` hands each computed layer's puts to a *pusher* thread (the forward never
-waits on the network). On CUDA the pusher issues its copies on a stream of its own that waits (on the device,
-not the host) for an event recorded after the layer's kernels, so copies overlap the next layers' compute and
-never wait for work issued after them (which the legacy default stream would); ``wait_for_save``
-signals the sequences whose prompt completed, whole pushes and releases come with the step's plan, and a
-released request is reported ``finished_sending`` once its puts were flushed. All CommManager sender calls
-on a link happen on the pusher thread (one thread per manager: the core's outbound links are not thread-safe).
-Connects do not: each destination is connected on a thread of its own, started as soon as the plan names the
-destination (bounded by ``connect_timeout``); meanwhile that destination's puts and signals wait in its own
-backlog (at most ``MAX_BACKLOG``), replayed in order once connected or failed if the connect fails, so an
-unreachable decode never delays the pushes to the others.
+Prefill role: ``save_kv_layer`` hands each computed layer's puts to a *pusher* thread (:mod:`.pusher`: the
+forward never waits on the network, and copies overlap the next layers' compute); ``wait_for_save`` signals
+the sequences whose prompt completed, whole pushes and releases come with the step's plan, and a released
+request is reported ``finished_sending`` once its puts were flushed. Pushes for unlike peers are expanded here
+into one push per destination rank this worker serves (:mod:`kvtransport.reshard`).
 
 Decode role: waits are never blocking: ``get_transfer_results`` polls the manager, reports landed sequences
 as ``finished_recving`` and failed or timed-out ones as ``failed_recving`` too (vLLM's failure path).
@@ -22,13 +16,12 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict, defaultdict
-from collections.abc import Callable
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
 import kvtransport
-from kvtransport import KVLayout, KVTransportError, LayoutError, Peer
+from kvtransport import KVLayout, KVTransportError, LayoutError
 from kvtransport.coalesce import BlockRun, coalesce
 from kvtransport.reshard import Shard, reshard_runs, senders_to
 
@@ -36,17 +29,10 @@ from . import trace
 from .compat import block_dim
 from .config import ConnectorSettings
 from .geometry import Geometry, base_seq, describe, part_seq, unit_layout
-from .metadata import Push, SendFailure, StepPlan
-from .scheduler import NULL_BLOCK, PREFILL_LOST
+from .metadata import NULL_BLOCK, FailureKind, Push, SendFailure, StepPlan
+from .pusher import Pusher
 
 log = logging.getLogger("vllm.kvtransport")
-
-RECONNECT_BACKOFF = 10.0
-MAX_BACKLOG = 65536
-"""Puts and signals queued for one destination while it connects; more fail at once."""
-
-Link = tuple[str, int]
-"""A destination worker: (decode engine id, its tp rank)."""
 
 
 @dataclass
@@ -54,304 +40,6 @@ class TransferResults:
     finished_sending: set[str]
     finished_recving: set[str]
     failed_recving: set[str]
-
-
-class _Pusher:
-    """The thread that issues every put/signal/flush of one worker (see module docstring)."""
-
-    def __init__(self, cm: kvtransport.CommManager, tp_rank: int, num_layers: int, timeout: float,
-                 cuda: bool = False, group_of: list[int] | None = None) -> None:
-        self.cm = cm
-        self.group_of = group_of or [0] * num_layers  # layer -> its KV cache group
-        self.group_layers: dict[int, list[int]] = defaultdict(list)
-        for layer, g in enumerate(self.group_of):
-            self.group_layers[g].append(layer)
-        self.groups = len(self.group_layers)
-        self.cuda = cuda
-        self.stream: Any = None  # CUDA: the pusher's own stream (set on its thread)
-        self.tp_rank = tp_rank
-        self.num_layers = num_layers
-        self.timeout = timeout
-        self.q: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
-        self.lock = threading.Lock()
-        self.peer_meta: dict[str, dict[int, bytes]] = {}
-        self.peers: dict[Link, Peer] = {}
-        # destinations being connected (on their own threads): their puts and signals, in order, replayed
-        # (or failed) when the connect ends
-        self.connecting: dict[Link, list[tuple[Push, Callable[[], None]]]] = {}
-        self.device: int | None = None
-        if cuda:
-            import torch
-
-            self.device = torch.cuda.current_device()  # the worker's device: every thread of ours uses it
-        self.broken: dict[Link, tuple[float, str]] = {}
-        self.failed_seqs: dict[str, str] = {}
-        self.touched: dict[str, set[Link]] = defaultdict(set)  # prefill req -> destination workers it put to
-        self.releasing: list[str] = []
-        # test-only (debug_push_delay): final signals held back, (due, "layerwise" | "whole", pushes); the
-        # thread keeps serving other requests meanwhile, and their prefill requests are released after them
-        self.delayed: list[tuple[float, str, list[Push]]] = []
-        self.finished_sending: set[str] = set()
-        self.failures: list[SendFailure] = []
-        self.sent_layerwise = 0
-        self.sent_whole = 0
-        self.thread = threading.Thread(target=self._run, name="kvt-pusher", daemon=True)
-        self.thread.start()
-
-    def submit(self, *job: Any) -> None:
-        self.q.put(job)
-
-    def take(self) -> tuple[set[str], list[SendFailure]]:
-        with self.lock:
-            done, self.finished_sending = self.finished_sending, set()
-            fails, self.failures = self.failures, []
-        return done, fails
-
-    def close(self) -> None:
-        self.q.put(None)
-        self.thread.join(timeout=5)
-
-    # ---------------------------------------------------------------- thread
-    def _run(self) -> None:
-        if self.cuda:
-            import torch
-
-            torch.cuda.set_device(self.device)
-            self.stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-            torch.cuda.set_stream(self.stream)  # this thread's current stream: the backends launch on it
-        while True:
-            try:
-                job = self.q.get(timeout=self._idle_timeout())
-            except queue.Empty:
-                self._housekeeping()
-                continue
-            if job is None:
-                return
-            try:
-                self._do(job)
-            except Exception:  # never let the pusher die: requests would hang
-                log.exception("kvtransport pusher: job %s failed", job[0])
-            if self.q.empty():
-                self._housekeeping()
-
-    def _held_back(self) -> set[str]:
-        """Prefill requests with a final signal still held back (released only after it)."""
-        return {p.req_id for _, _, pushes in self.delayed for p in pushes}
-
-    def _idle_timeout(self) -> float | None:
-        """How long the thread may wait for a job: releases are flushed as soon as the queue is idle, held-back
-        signals when they are due."""
-        timeout = None
-        if self.releasing and not set(self.releasing) <= self._held_back():
-            timeout = 0.02
-        if self.delayed:
-            due = max(0.0, min(d for d, _, _ in self.delayed) - time.monotonic())
-            timeout = due if timeout is None else min(timeout, due)
-        return timeout
-
-    def _housekeeping(self) -> None:
-        try:
-            now = time.monotonic()
-            due = [d for d in self.delayed if d[0] <= now]
-            if due:
-                self.delayed = [d for d in self.delayed if d[0] > now]
-                for _, kind, pushes in due:
-                    self._signal_all(kind, pushes)
-            if self.releasing:
-                self._flush_releases()
-        except Exception:  # never let the pusher die
-            log.exception("kvtransport pusher: housekeeping failed")
-
-    def _signal_all(self, kind: str, pushes: list[Push]) -> None:
-        for p in pushes:
-            self._signal(p, kind)
-
-    def _do(self, job: tuple[Any, ...]) -> None:
-        kind = job[0]
-        if kind == "peers":
-            self.peer_meta.update(job[1])
-            for engine, ranks in job[2].items():  # the destination ranks we serve: connected at once
-                for rank in ranks:
-                    self._start_connect((engine, rank))
-        elif kind == "connected":
-            self._connected(job[1], job[2])
-        elif kind == "layer":
-            _, layer, pushes, event = job
-            self._after(event)
-            for p in pushes:
-                if p.group == self.group_of[layer]:
-                    self._put(p, layer, signal_layer=p.final)
-        elif kind == "signal":
-            self._signal_later("layerwise", list(job[1]))
-        elif kind == "whole":
-            whole: Push = job[1]
-            self._after(job[2])
-            self._put(whole, None)  # every layer in one call (one device launch on CUDA IPC paths)
-            if whole.group == 0:  # the other groups' pushes of the request came first
-                self._signal_later("whole", [whole])
-        elif kind == "release":
-            self.releasing.append(job[1])
-
-    def _after(self, event: Any) -> None:
-        """Order the next puts after ``event`` (recorded on the forward's stream): on our stream, on the device."""
-        if event is None:
-            return
-        if self.stream is not None:
-            self.stream.wait_event(event)
-        else:
-            event.synchronize()
-
-    def _signal_later(self, kind: str, pushes: list[Push]) -> None:
-        """Signal ``pushes`` now, or hold back those with a (test-only, ``debug_push_delay``) delay: the transfer
-        stays open that long while the thread goes on serving the others."""
-        now = time.monotonic()
-        later = [p for p in pushes if p.delay > 0]
-        if later:
-            self.delayed.append((now + max(p.delay for p in later), kind, later))
-        self._signal_all(kind, [p for p in pushes if p.delay <= 0])
-
-    def _link(self, p: Push) -> Link:
-        return (p.engine, self.tp_rank if p.rank < 0 else p.rank)
-
-    def _start_connect(self, link: Link) -> bool:
-        """Start connecting ``link`` on a thread of its own unless connected, connecting or in its reconnect
-        backoff, or without metadata. Pusher thread; non-blocking. True while a connect is pending."""
-        if link in self.connecting:
-            return True
-        if link in self.peers or time.monotonic() < self.broken.get(link, (0.0, ""))[0]:
-            return False
-        meta = self.peer_meta.get(link[0], {}).get(link[1])
-        if meta is None:
-            return False
-        self.connecting[link] = []
-        threading.Thread(target=self._connect, args=(link, meta), name=f"kvt-connect-{link[0][:16]}-{link[1]}",
-                         daemon=True).start()
-        return True
-
-    def _connect(self, link: Link, meta: bytes) -> None:
-        """Connect thread: ``cm.connect`` (bounded by ``timeout``), the outcome handed to the pusher thread."""
-        outcome: Peer | KVTransportError
-        try:
-            if self.device is not None:
-                import torch
-
-                torch.cuda.set_device(self.device)
-            outcome = self.cm.connect(meta, timeout=self.timeout)
-        except KVTransportError as exc:
-            outcome = exc
-        except Exception as exc:  # never leave the backlog waiting
-            outcome = KVTransportError(f"connect to decode engine {link[0]} rank {link[1]} failed: "
-                                       f"{type(exc).__name__}: {exc}")
-        self.q.put(("connected", link, outcome))
-
-    def _connected(self, link: Link, outcome: Peer | KVTransportError) -> None:
-        """Pusher thread: a connect ended; replay (or fail) the destination's backlog in order."""
-        backlog = self.connecting.pop(link, [])
-        if isinstance(outcome, KVTransportError):
-            self.broken[link] = (time.monotonic() + RECONNECT_BACKOFF, str(outcome))
-            for p, _ in backlog:
-                self._fail(p, outcome)
-            return
-        log.info("kvtransport: worker %d connected to decode engine %s rank %d via %s", self.tp_rank, link[0],
-                 link[1], outcome.path)
-        self.peers[link] = outcome
-        for _, replay in backlog:
-            replay()
-
-    def _peer(self, p: Push, replay: Callable[[], None]) -> Peer | None:
-        """The link to ``p.engine``, or None when it is being connected: then ``replay`` waits in that
-        destination's backlog. Raises KVTransportError (unreachable in backoff, no metadata, backlog full)."""
-        link = self._link(p)
-        peer = self.peers.get(link)
-        if peer is not None:
-            return peer
-        if self._start_connect(link):
-            backlog = self.connecting[link]
-            if len(backlog) >= MAX_BACKLOG:
-                raise KVTransportError(f"decode engine {p.engine}: {MAX_BACKLOG} puts wait for its connect")
-            backlog.append((p, replay))
-            return None
-        until, why = self.broken.get(link, (0.0, ""))
-        if time.monotonic() < until:
-            raise KVTransportError(f"decode engine {p.engine} unreachable: {why}")
-        raise KVTransportError(f"no kvtransport metadata for decode engine {p.engine} rank {link[1]}")
-
-    def _fail(self, p: Push, exc: BaseException) -> None:
-        if p.seq in self.failed_seqs:
-            return
-        reason = f"{type(exc).__name__}: {exc}"
-        self.failed_seqs[p.seq] = reason
-        while len(self.failed_seqs) > 4096:
-            self.failed_seqs.pop(next(iter(self.failed_seqs)))
-        log.warning("kvtransport: push of %s to %s failed: %s", p.seq, p.engine, reason)
-        with self.lock:
-            self.failures.append(SendFailure(p.base or p.seq, p.engine, reason))
-        if isinstance(exc, (kvtransport.PeerDisconnected, kvtransport.CommClosed)):
-            peer = self.peers.pop(self._link(p), None)
-            if peer is not None:
-                try:
-                    self.cm.disconnect(peer)
-                except KVTransportError:
-                    pass
-
-    def _put(self, p: Push, layer: int | None, *, signal_layer: bool = False) -> None:
-        """One layer of ``p`` (and its layer signal), or with ``layer`` None every layer in one call (a
-        request whose KV is already computed: pull mode, or a whole-request push)."""
-        if p.seq in self.failed_seqs:
-            return
-        try:
-            self.touched[p.req_id].add(self._link(p))
-            peer = self._peer(p, lambda: self._put(p, layer, signal_layer=signal_layer))
-            if peer is None:
-                return
-            layers = (layer,) if layer is not None else self.group_layers[p.group] if self.groups > 1 else None
-            if p.runs is not None:
-                if p.runs:
-                    self.cm.put_runs(peer, p.seq, layers, p.runs)
-            elif p.src:
-                if layer is None:
-                    self.cm.put_layers(peer, p.seq, layers, p.src, p.dst)
-                else:
-                    self.cm.put_layer(peer, p.seq, layer, p.src, p.dst)
-            if signal_layer and layer is not None:
-                self.cm.signal_layer(peer, p.seq, layer)
-        except KVTransportError as exc:
-            self._fail(p, exc)
-
-    def _signal(self, p: Push, kind: str) -> None:
-        """Signal ``p``'s sequence and count it as a ``kind`` ("whole" | "layerwise") transfer sent."""
-        if p.seq in self.failed_seqs:
-            return
-        try:
-            peer = self._peer(p, lambda: self._signal(p, kind))
-            if peer is None:
-                return
-            self.cm.signal(peer, p.seq)
-        except KVTransportError as exc:
-            self._fail(p, exc)
-            return
-        trace.event("p.signal", p.seq, req=p.req_id, kind=kind)
-        if kind == "whole":
-            self.sent_whole += 1
-        else:
-            self.sent_layerwise += 1
-
-    def _flush_releases(self) -> None:
-        held = self._held_back() | {r for r in self.releasing if self.touched.get(r, set()) & self.connecting.keys()}
-        reqs = [r for r in self.releasing if r not in held]
-        self.releasing = [r for r in self.releasing if r in held]
-        links: set[Link] = set().union(*(self.touched.pop(r, set()) for r in reqs)) if reqs else set()
-        for link in links:
-            peer = self.peers.get(link)
-            if peer is None:
-                continue
-            try:
-                self.cm.flush(peer, timeout=self.timeout)
-            except KVTransportError as exc:
-                log.warning("kvtransport: flush towards %s rank %d failed: %s", link[0], link[1], exc)
-                self.peers.pop(link, None)
-        with self.lock:
-            self.finished_sending.update(reqs)
 
 
 class WorkerSide:
@@ -377,7 +65,7 @@ class WorkerSide:
         self.cm: kvtransport.CommManager | None = None
         self.layout: KVLayout | None = None
         self.layer_index: dict[str, int] = {}
-        self.pusher: _Pusher | None = None
+        self.pusher: Pusher | None = None
         self._plan: StepPlan | None = None
         self._layers_done: set[int] = set()
         self._lock = threading.Lock()
@@ -423,9 +111,9 @@ class WorkerSide:
         opts = dict(self.settings.backend_options)
         opts.setdefault("timeout", self.settings.connect_timeout)
         self.cm = kvtransport.open(self.layout, backend=backend, ifname=self.settings.ifname, **opts)
-        self.pusher = _Pusher(self.cm, self.tp_rank, self.layout.num_layers, self.settings.connect_timeout,
-                              cuda=self.layout.is_cuda,
-                              group_of=[self.layer_groups.get(name, 0) for name in self.layer_index])
+        self.pusher = Pusher(self.cm, self.tp_rank, self.layout.num_layers, self.settings.connect_timeout,
+                             cuda=self.layout.is_cuda,
+                             group_of=[self.layer_groups.get(name, 0) for name in self.layer_index])
         self._fencer = threading.Thread(target=self._fence_loop, name="kvt-fence", daemon=True)
         self._fencer.start()
         log.info("kvtransport connector worker %d: backend %s, %d layers x %d blocks, %d plane(s)/layer, "
@@ -500,7 +188,7 @@ class WorkerSide:
                         continue
                     if self._waiting.pop(rid, None) is not None:
                         log.warning("kvtransport: KV for %s will not come: %s", rid, reason)
-                        if reason.startswith(PREFILL_LOST):
+                        if plan.recv_fail_kind.get(rid) is FailureKind.PREFILL_LOST:
                             self._lost += 1
                         for q in [q for q in self._early if base_seq(q) == rid]:
                             self._early.pop(q, None)

@@ -5,7 +5,7 @@ publishes its metadata with ``link.publish(bytes)``; the sender gets it with ``l
 ``link.barrier(name)`` lets a role wait until the other reached the same named point. A role that hangs
 past the deadline is killed after dumping its stacks (faulthandler), and the harness raises.
 
-``hosts`` puts a role on a host of its own (:class:`kvtransport.testing.netns.Host`: a network namespace,
+``hosts`` puts a role on a host of its own (:class:`kvtransport.workload.netns.Host`: a network namespace,
 hostname and NET_IFNAME); ``at_barrier`` runs a function in the parent while both roles stand at a named
 barrier (e.g. take a link down), before either is released.
 past the deadline is killed after dumping its stacks (faulthandler), and the harness raises. A role that

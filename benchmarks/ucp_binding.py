@@ -5,7 +5,7 @@ Prints, all measured in the same run (the machine is noisy; compare ratios):
   * per-put cost (µs) of 4,096 scattered 64 KiB puts via put_batch vs put() one by one,
   * idle CPU of wait_for_events over 2 s with nothing arriving.
 
-Usage: python backends/ucx/bench_ucp.py [--tls TLS] [--reps N]
+Usage: python benchmarks/ucp_binding.py [--tls TLS] [--reps N]
 """
 
 from __future__ import annotations

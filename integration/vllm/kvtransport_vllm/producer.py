@@ -1,0 +1,560 @@
+"""Prefill role of the scheduler side (``kv_producer``/``kv_both``): the transfers this engine serves.
+
+It learns destination blocks from decode schedulers (side-channel ``dst`` messages, possibly before the prefill
+request arrives: orphans), plans per step which blocks the workers put (layer-wise while the prompt is computed,
+or whole right after the forward) and when a finished request's blocks may be freed (leases, renewals, a
+decode's disconnect). The common part (:mod:`.scheduler`) owns the side channel, the peers' hellos and
+geometry, and calls in here from vLLM's hooks; everything runs on the scheduler thread except
+:meth:`Producer.answer_now` (the side channel's reader threads).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from . import trace
+from .metadata import Push, StepPlan
+from .pushplan import PushPlanner
+
+if TYPE_CHECKING:
+    from .scheduler import SchedulerSide
+    from .sidechannel import SideChannelServer
+
+log = logging.getLogger("vllm.kvtransport")
+
+FINISHED_OK = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+MAX_ORPHANS = 4096
+"""Destinations held for prefill requests that have not arrived yet (all decode engines together)."""
+MAX_ORPHANS_PER_ENGINE = 1024
+"""Of those, what one decode engine may hold (one engine cannot take every place)."""
+_CHILD = re.compile(r"^\d+_")
+
+
+def sampling_family(req_id: str) -> str | None:
+    """The parent id of a parallel-sampling child (vLLM names children ``"{index}_{parent}"``), else None."""
+    return _CHILD.sub("", req_id, count=1) if _CHILD.match(req_id) else None
+
+
+@dataclass
+class _Dst:
+    engine: str
+    seq: str
+    blocks: list[int]
+    offset: int
+    pushed_upto: int = 0  # absolute prompt-block index below which layer-wise pushes are issued (full blocks)
+    pushed_tok: int = 0  # unlike peers: prompt tokens below this were pushed
+    extra: list[list[int]] = field(default_factory=list)  # KV cache groups 1.. : their blocks, aligned with blocks
+    final_sent: bool = False
+    cancelled: bool = False
+
+    def __post_init__(self) -> None:
+        self.pushed_upto = self.offset
+
+
+@dataclass
+class _Source:
+    """A prefill request whose KV goes to one or more decode requests."""
+
+    req_id: str
+    xfer: str
+    mode: str  # "push" (our proxy, decode allocates first) or "pull" (NIXL-style params, decode asks after)
+    fanout: int  # destinations expected (n of the decode request; pull mode: 1 unless the proxy said)
+    prompt_len: int
+    blocks: list[int] = field(default_factory=list)
+    extra: list[list[int]] = field(default_factory=list)  # KV cache groups 1.. (hybrid models), aligned with blocks
+    computed: int = 0
+    dsts: list[_Dst] = field(default_factory=list)
+    msgs: int = 0
+    cancels: int = 0
+    complete: bool = False
+    failed: str | None = None
+    finished: bool = False  # request_finished was called
+    delay_freed: bool = False  # we told vLLM to keep the blocks: a release must follow
+    puts_issued: bool = False
+    lease_until: float = 0.0  # a finished source not served by then is freed (renewals push it back)
+    registered: float = field(default_factory=time.monotonic)
+    holders: set[str] = field(default_factory=set)  # decode engines that asked for (renewed) this transfer
+    debug_delay: bool = False
+    first_token: bool = False  # Splitwise order: the decode continues from the token this request samples
+    first: int | None = None  # that token, once sampled
+    first_told: set[str] = field(default_factory=set)  # decode engines it was sent to
+    considered: float | None = None  # when the prefill scheduler first wanted to run it (admission wait start)
+    ready_sent: set[str] = field(default_factory=set)  # decode engines told "ready" for this transfer
+    wait_done: bool = False  # its admission wait was recorded (it ran)
+
+    def destinations_known(self) -> bool:
+        """Every expected destination arrived (or was cancelled): layer-wise push can start."""
+        return len(self.dsts) + self.cancels >= self.fanout
+
+    def served(self) -> bool:
+        """No further destinations are expected."""
+        if self.mode == "pull":  # every decode child asks (children allocated in one step share a message)
+            asked = len(self.dsts) if self.fanout > 1 else self.msgs
+            return asked + self.cancels >= self.fanout and all(d.final_sent or d.cancelled for d in self.dsts)
+        done = sum(1 for d in self.dsts if d.final_sent or d.cancelled) + self.cancels
+        return done >= self.fanout and all(d.final_sent or d.cancelled for d in self.dsts)
+
+
+def _groups(block_ids: Any) -> list[list[int]]:
+    """A finished request's blocks per KV cache group: vLLM hands one list (one group) or, to an HMA
+    connector, one list per group."""
+    if block_ids and isinstance(block_ids[0], list | tuple):
+        return [list(g) for g in block_ids]
+    return [list(block_ids or [])]
+
+
+class Producer:
+    """The prefill's transfers (see the module docstring); ``side`` is the common part it belongs to."""
+
+    def __init__(self, side: SchedulerSide) -> None:
+        self.side = side
+        self.settings = side.settings
+        self.num_groups = side.num_groups
+        self.planner = PushPlanner(side.settings, side.block_size, side.num_groups, side._unlike)
+        self.counters = side.counters  # shared with the common part (it reports and resets them)
+        self.sources: dict[str, _Source] = {}
+        self.src_by_req: dict[str, _Source] = {}
+        self.orphans: dict[str, tuple[float, list[_Dst], int]] = {}  # xfer -> (lease end, dsts, cancels)
+        self.gone: dict[str, str] = {}  # xfer -> why it can no longer be served (bounded)
+        # pull flow with n>1 (vLLM's toy proxy forwards the same n to both sides): the prefill computes n
+        # children, only one child's params reach the decode, and each of the decode's n children pulls that
+        # one. Per family: live sources, and how many pulls (or cancels) arrived. The family is served once
+        # as many arrived as it has children; then every sibling goes (see _family_served).
+        self.family_size: dict[str, int] = {}
+        self.family_asked: dict[str, int] = {}
+        self.holds: dict[str, tuple[float, set[str]]] = {}  # xfer -> (expiry, engines): renewed before registered
+        self.foreign_refused = 0  # dst / cancel naming another decode engine's request (log and tests)
+        self.dst_waits: list[float] = []  # seconds prefill requests waited for their destinations (stats)
+        self._releases: list[str] = []
+        self._whole: list[Push] = []
+
+    @property
+    def server(self) -> SideChannelServer | None:
+        return self.side.server
+
+    # ------------------------------------------------------------------ vLLM hooks (prefill requests)
+    def waits_for_destinations(self, rid: str) -> bool:
+        """Prefill: whether push-flow request ``rid`` should wait (bounded by ``dst_wait``) for its decode's
+        destination blocks before it runs. Tells the decodes that hold the transfer to allocate now."""
+        src = self.src_by_req.get(rid)
+        if (src is None or src.mode != "push" or self.settings.mode != "push" or src.failed is not None
+                or src.complete or src.wait_done):
+            return False
+        now = time.monotonic()
+        if src.considered is None:
+            src.considered = now
+        if not src.destinations_known():
+            self.side._drain_inbox(now)
+        if not src.destinations_known() and self.settings.dst_wait > 0:
+            self._send_ready(src)
+            if now - src.considered < self.settings.dst_wait:
+                return True
+            self.counters["dst_wait_timeouts"] += 1
+            log.warning("kvtransport: prefill request %s (transfer %s) runs without its destination after "
+                        "waiting %gs (dst_wait); its KV goes after the forward", rid, src.xfer, self.settings.dst_wait)
+        src.wait_done = True
+        self.dst_waits.append(now - src.considered)
+        return False
+
+    def _send_ready(self, src: _Source) -> None:
+        """Tell each decode engine holding ``src``'s transfer (and not told yet) that it may allocate now."""
+        if self.server is None:
+            return
+        for engine in src.holders - src.ready_sent:
+            if self.server.send(engine, {"type": "ready", "xfers": [src.xfer]}):
+                src.ready_sent.add(engine)
+
+    def request_finished(self, request: Any, block_ids: list[int] | tuple[list[int], ...],
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """Keep the blocks (True) until the workers pushed them; returns NIXL-compatible ``kv_transfer_params``
+        for the decode side."""
+        rid = request.request_id
+        params = request.kv_transfer_params
+        if params.get("kvt_discover"):
+            self._drop_source(rid)
+            return False, self.side.discovery_params()
+        src = self.src_by_req.get(rid)
+        if src is None:
+            src = self.register_source(request)
+        src.finished = True
+        if src.failed is not None:  # given up while computed (its decode went away)
+            if src.puts_issued:
+                src.delay_freed = True  # released once the puts already issued are flushed
+                return True, None
+            self._drop_source(rid)
+            return False, None
+        if not src.dsts and self._family_served(src):
+            self._drop_source(rid)  # its siblings took every pull: nobody will ask for this one
+            return False, None
+        status = getattr(request.status, "name", str(request.status))
+        trace.event("p.finished", src.xfer, req=rid)
+        groups = _groups(block_ids)
+        block_ids = groups[0]
+        if status in FINISHED_OK and block_ids:
+            if src.first_token and src.first is None and request.num_output_tokens > 0:
+                src.first = int(request.output_token_ids[0])
+                self._tell_first(src)
+            src.complete = True
+            src.blocks = list(block_ids)
+            src.extra = groups[1:]
+            src.computed = max(src.computed, min(request.num_computed_tokens, src.prompt_len))
+            src.lease_until = max(src.lease_until, time.monotonic() + self.settings.lease)
+            src.delay_freed = True
+            out = {
+                "do_remote_prefill": True, "do_remote_decode": False,
+                "remote_block_ids": list(block_ids), "remote_engine_id": self.side.engine_id,
+                "remote_request_id": src.xfer, "remote_host": self.side.host, "remote_port": self.side.port,
+                "tp_size": self.side.tp_size, "remote_num_tokens": src.prompt_len,
+                "kvt_connector": "kvtransport",
+            }
+            if src.mode == "push":
+                out["kvt_xfer"] = src.xfer
+            return True, out
+        src.failed = f"prefill request {rid} ended with {status}"
+        self._fail_dsts(src, src.failed)
+        if src.puts_issued:
+            src.delay_freed = True
+            return True, None
+        self._drop_source(rid)
+        return False, None
+
+    def has_pending_work(self) -> bool:
+        """True while destinations wait for their prefill request, or pushes/releases are queued."""
+        return bool(self.orphans or self._whole or self._releases)
+
+    def awaits_destinations(self) -> bool:
+        """Whether a prefill request waits (``dst_wait``) for its destination."""
+        return any(s.considered is not None and not s.wait_done for s in self.src_by_req.values())
+
+    # ------------------------------------------------------------------ per step
+    def plan_step(self, scheduler_output: Any, plan: StepPlan, now: float) -> None:
+        """This step's pushes and releases."""
+        self._plan_scheduled(scheduler_output, plan)
+        self._plan_completed(now)
+        plan.whole_pushes, self._whole = self._whole, []
+        plan.send_release, self._releases = self._releases, []
+
+    def on_event(self, ev: tuple[Any, ...], now: float) -> None:
+        """A side-channel event of a decode engine: a checked message (``msg``) or its channel's end (``bye``)."""
+        if ev[0] == "msg":
+            self._on_message(ev[1], ev[2], now)
+        elif ev[0] == "bye":
+            self._engine_gone(str(ev[1]), str(ev[2]))
+
+    def expire(self, now: float) -> None:
+        """After the inbox was drained: fail destinations waiting for a prefill request that never came; forget
+        expired holds."""
+        for xfer in [x for x, (dl, _, _) in self.orphans.items() if dl <= now]:
+            _, dsts, _ = self.orphans.pop(xfer)
+            for d in dsts:
+                self.send_fail(d.engine, [d.seq], f"no prefill request for transfer {xfer} arrived within "
+                                                   f"{self.settings.lease:g}s")
+        for xfer in [x for x, (dl, _) in self.holds.items() if dl <= now]:
+            del self.holds[xfer]
+
+    # ------------------------------------------------------------------ internals
+    def register_source(self, request: Any) -> _Source:
+        rid = request.request_id
+        src = self.src_by_req.get(rid)
+        if src is not None:
+            return src
+        params = request.kv_transfer_params or {}
+        push = bool(params.get("kvt_xfer"))
+        xfer = str(params["kvt_xfer"]) if push else rid
+        fanout = int(params.get("kvt_fanout", 1) or 1)
+        src = _Source(rid, xfer, "push" if push else "pull", max(1, fanout), int(request.num_prompt_tokens),
+                      debug_delay=bool(params.get("kvt_debug_delay")) and self.settings.debug_push_delay > 0,
+                      first_token=push and params.get("kvt_first_token") is True)
+        trace.event("p.new", xfer, req=rid)
+        self.src_by_req[rid] = src
+        fam = self._family(src)
+        if fam is not None:
+            self.family_size[fam] = self.family_size.get(fam, 0) + 1
+        if not params.get("kvt_discover"):
+            self.sources[xfer] = src
+            hold = self.holds.pop(xfer, None)
+            if hold is not None:
+                src.holders |= hold[1]
+            orphan = self.orphans.pop(xfer, None)
+            if orphan is not None:
+                _, dsts, cancels = orphan
+                src.dsts.extend(dsts)
+                src.msgs += 1 if dsts else 0
+                src.cancels += cancels
+                if dsts:
+                    trace.event("p.dst", xfer, req=rid, wait=0.0)
+        return src
+
+    @staticmethod
+    def _family(src: _Source) -> str | None:
+        """The sampling family whose pulls ``src`` shares (pull mode, n unknown: see family_size)."""
+        return sampling_family(src.req_id) if src.mode == "pull" and src.fanout == 1 else None
+
+    def _family_served(self, src: _Source) -> bool:
+        """Every child of ``src``'s family has asked (or cancelled): no further pull will come."""
+        fam = self._family(src)
+        return fam is not None and self.family_asked.get(fam, 0) >= self.family_size.get(fam, 1)
+
+    def _family_asks(self, src: _Source, count: int) -> None:
+        fam = self._family(src)
+        if fam is not None and count:
+            self.family_asked[fam] = self.family_asked.get(fam, 0) + count
+
+    def _drop_source(self, rid: str) -> None:
+        src = self.src_by_req.pop(rid, None)
+        fam = self._family(src) if src is not None else None
+        if fam is not None:
+            left = self.family_size.get(fam, 1) - 1
+            if left > 0:
+                self.family_size[fam] = left
+            else:  # the family's last source: forget it
+                self.family_size.pop(fam, None)
+                self.family_asked.pop(fam, None)
+        if src is not None and self.sources.get(src.xfer) is src:
+            del self.sources[src.xfer]
+            self.gone[src.xfer] = src.failed or "source released"
+            while len(self.gone) > 4096:
+                self.gone.pop(next(iter(self.gone)))
+
+    def answer_now(self, engine: str, msg: dict[str, Any]) -> dict[str, Any] | None:
+        """Side-channel reader thread: a destination for a transfer this prefill already freed is refused at
+        once — an idle engine would only see it at its next step (minutes, or the decode's timeout). Reads
+        ``gone``/``sources`` only (a freed transfer never comes back); everything else goes to the inbox."""
+        if msg.get("type") != "dst":
+            return None
+        xfer = str(msg.get("xfer"))
+        why = self.gone.get(xfer)  # the side channel starts after this object is complete: both exist
+        if why is None or xfer in self.sources:
+            return None
+        seqs = [str(d.get("seq")) for d in msg.get("dsts", []) if isinstance(d, dict)]
+        if not seqs:
+            return None
+        log.warning("kvtransport: transfer %s to %s failed: prefill cannot serve transfer %s: %s", seqs,
+                    engine, xfer, why)
+        return {"type": "fail", "seqs": seqs, "reason": f"prefill cannot serve transfer {xfer}: {why}"}
+
+    def _foreign(self, engine: str, xfer: str, seqs: list[str]) -> set[str]:
+        """Of ``seqs``, those another decode engine registered for ``xfer``: ``engine`` may not act on them."""
+        src = self.sources.get(xfer)
+        known = (src.dsts if src is not None else []) + (self.orphans[xfer][1] if xfer in self.orphans else [])
+        theirs = {d.seq for d in known if d.engine != engine} & set(seqs)
+        if theirs:
+            self.foreign_refused += len(theirs)
+            log.warning("kvtransport: decode engine %s named requests %s of transfer %s that another engine "
+                        "owns; refused", engine, sorted(theirs)[:8], xfer)
+        return theirs
+
+    def _on_message(self, engine: str, msg: dict[str, Any], now: float) -> None:
+        """A checked (``protocol.check_message``) message from decode ``engine``. Ownership: a decode request
+        (``seq``) belongs to the engine that first sent its destination; another engine's dst or cancel naming
+        it is refused, and a count-cancel needs the sender to hold the transfer (when anyone holds it)."""
+        mtype = msg.get("type")
+        xfer = str(msg.get("xfer"))
+        src = self.sources.get(xfer)
+        if mtype == "renew":
+            self._renewed(engine, [str(x) for x in msg.get("xfers", [])], now)
+            return
+        if mtype == "dst":
+            dsts = [_Dst(engine, d["seq"], d["blocks"], d["offset"], extra=list(d.get("groups", [])))
+                    for d in msg.get("dsts", [])]
+            if engine in self.side.unmappable:
+                for d in dsts:
+                    self.send_fail(engine, [d.seq], self.side.unmappable[engine])
+                return
+            for d in [d for d in dsts if len(d.extra) != self.num_groups - 1]:
+                self.send_fail(engine, [d.seq], f"KV cache groups differ: decode {len(d.extra) + 1}, prefill "
+                                                 f"{self.num_groups} (run both with the same model and HMA setting)")
+            dsts = [d for d in dsts if len(d.extra) == self.num_groups - 1]
+            if not dsts:
+                return
+            foreign = self._foreign(engine, xfer, [d.seq for d in dsts])
+            for seq in sorted(foreign):
+                self.send_fail(engine, [seq], f"request {seq} of transfer {xfer} belongs to another decode engine")
+            dsts = [d for d in dsts if d.seq not in foreign]
+            if not dsts and foreign:
+                return
+            self._renewed(engine, [xfer], now)
+            if src is None:
+                if msg.get("mode") == "push" and xfer not in self.gone and (
+                        xfer in self.orphans or (len(self.orphans) < MAX_ORPHANS
+                                                 and self._orphans_of(engine) < MAX_ORPHANS_PER_ENGINE)):
+                    dl, old, cancels = self.orphans.get(xfer, (now + self.settings.lease, [], 0))
+                    self.orphans[xfer] = (dl, old + dsts, cancels)
+                elif msg.get("mode") == "push" and xfer not in self.gone:
+                    for d in dsts:
+                        self.send_fail(engine, [d.seq], "prefill holds too many destinations whose prefill request "
+                                                         "has not arrived: refused")
+                else:
+                    why = self.gone.get(xfer, "unknown transfer (expired, or sent to the wrong prefill instance)")
+                    for d in dsts:
+                        self.send_fail(engine, [d.seq], f"prefill cannot serve transfer {xfer}: {why}")
+                return
+            if src.failed is not None:
+                for d in dsts:
+                    self.send_fail(engine, [d.seq], src.failed)
+                return
+            known = src.destinations_known()
+            src.dsts.extend(dsts)
+            src.msgs += 1
+            self._family_asks(src, len(dsts))
+            if not known and src.destinations_known():
+                trace.event("p.dst", src.xfer, req=src.req_id,
+                            wait=round(now - src.considered, 6) if src.considered is not None else None)
+            if src.first is not None:
+                self._tell_first(src)
+        elif mtype == "cancel":
+            seqs = {str(s) for s in msg.get("seqs", [])}
+            seqs -= self._foreign(engine, xfer, sorted(seqs))
+            count = int(msg.get("count", 0))
+            holders = src.holders if src is not None else self.holds.get(xfer, (0.0, set()))[1]
+            if count and holders and engine not in holders:
+                self.foreign_refused += 1
+                log.warning("kvtransport: decode engine %s cancelled transfer %s that only %s hold; refused",
+                            engine, xfer, sorted(holders)[:4])
+                count = 0
+            if src is None:
+                if xfer in self.orphans:
+                    dl, old, cancels = self.orphans[xfer]
+                    self.orphans[xfer] = (dl, [d for d in old if d.seq not in seqs], cancels + count)
+                elif msg.get("mode") == "push" and count and xfer not in self.gone:
+                    self.orphans[xfer] = (now + self.settings.lease, [], count)
+                return
+            for d in src.dsts:
+                if d.seq in seqs:
+                    d.cancelled = True
+            src.cancels += count
+            self._family_asks(src, count)
+        else:
+            log.warning("kvtransport side channel: ignoring message type %r from %s", mtype, engine)
+
+    def _orphans_of(self, engine: str) -> int:
+        """Transfers waiting for their prefill request that hold a destination of decode ``engine``."""
+        return sum(1 for _, dsts, _ in self.orphans.values() if any(d.engine == engine for d in dsts))
+
+    def _tell_first(self, src: _Source) -> None:
+        """Send ``src``'s first token to every decode engine that holds or receives its transfer (not told yet)."""
+        if self.server is None or src.first is None:
+            return
+        for engine in (src.holders | {d.engine for d in src.dsts if not d.cancelled}) - src.first_told:
+            if self.server.send(engine, {"type": "first", "xfer": src.xfer, "token": src.first}):
+                src.first_told.add(engine)
+                self.counters["first_tokens_sent"] += 1
+                trace.event("p.first_sent", src.xfer, engine=engine)
+
+    def _plan_scheduled(self, so: Any, plan: StepPlan) -> None:
+        layerwise = self.settings.mode == "push"
+        for nd in so.scheduled_new_reqs:
+            src = self.src_by_req.get(nd.req_id)
+            if src is not None:
+                src.blocks = list(nd.block_ids[0]) if nd.block_ids else []
+                src.extra = [list(g) for g in nd.block_ids[1:]] if nd.block_ids else []
+                self._advance(src, nd.num_computed_tokens, so.num_scheduled_tokens.get(nd.req_id, 0), layerwise, plan)
+        cached = so.scheduled_cached_reqs
+        resumed: set[str] = getattr(cached, "resumed_req_ids", None) or set()
+        for i, rid in enumerate(cached.req_ids):
+            src = self.src_by_req.get(rid)
+            if src is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in resumed:
+                src.blocks = list(new_ids[0]) if new_ids else []
+                src.extra = [list(g) for g in new_ids[1:]] if new_ids else []
+                for d in src.dsts:  # preempted: recomputed from scratch, so re-push everything
+                    if not d.final_sent:
+                        d.pushed_upto = d.offset
+            elif new_ids:
+                src.blocks.extend(new_ids[0])
+                for g, more in enumerate(new_ids[1:]):
+                    while len(src.extra) <= g:
+                        src.extra.append([])
+                    src.extra[g].extend(more)
+            self._advance(src, cached.num_computed_tokens[i], so.num_scheduled_tokens.get(rid, 0), layerwise, plan)
+
+    def _advance(self, src: _Source, before: int, scheduled: int, layerwise: bool, plan: StepPlan) -> None:
+        if before >= src.prompt_len or scheduled <= 0 or src.failed is not None:
+            return
+        after = min(before + scheduled, src.prompt_len)
+        src.computed = after
+        if after >= src.prompt_len:
+            trace.event("p.scheduled", src.xfer, req=src.req_id)
+        if not (layerwise and src.mode == "push"):
+            return
+        self.planner.layer_pushes(src, after, plan.layer_pushes)
+
+    def _plan_completed(self, now: float) -> None:
+        for src in list(self.src_by_req.values()):
+            if src.complete and src.failed is None:
+                self.planner.whole_pushes(src, self._whole)
+            if not src.finished:
+                continue
+            if self._family(src) is not None:  # a family's pulls may go to any one of its sources
+                done = src.failed is not None or (
+                    self._family_served(src) and all(d.final_sent or d.cancelled for d in src.dsts))
+            else:
+                done = src.failed is not None or src.served()
+            if not done and now >= src.lease_until:
+                log.warning("kvtransport: prefill request %s (transfer %s): lease expired (%d destination(s) still "
+                            "missing, no word from a decode for %gs); freeing its blocks", src.req_id, src.xfer,
+                            max(0, src.fanout - len(src.dsts) - src.cancels), self.settings.lease)
+                self.counters["lease_expirations"] += 1
+                done = True
+            if done:
+                if src.delay_freed:
+                    self._releases.append(src.req_id)
+                self._drop_source(src.req_id)
+
+    def _renewed(self, engine: str, xfers: list[str], now: float) -> None:
+        """``engine`` still wants these transfers: extend their leases and remember it as their holder."""
+        until = now + self.settings.lease
+        for xfer in xfers:
+            src = self.sources.get(xfer)
+            if src is not None:
+                src.holders.add(engine)
+                src.lease_until = max(src.lease_until, until)
+                if src.considered is not None or src.complete:  # it runs (or ran): this decode may allocate
+                    self._send_ready(src)
+                if src.first is not None:
+                    self._tell_first(src)
+            elif xfer not in self.gone:
+                _, engines = self.holds.get(xfer, (until, set()))
+                self.holds[xfer] = (until, engines | {engine})
+        while len(self.holds) > 4096:
+            self.holds.pop(next(iter(self.holds)))
+
+    def _engine_gone(self, engine: str, reason: str) -> None:
+        """A decode engine's side channel ended: give up what only it was waiting for (no lease wait)."""
+        for xfer, (dl, dsts, cancels) in list(self.orphans.items()):
+            keep = [d for d in dsts if d.engine != engine]
+            self.orphans[xfer] = (dl, keep, cancels + len(dsts) - len(keep))
+        for xfer, (_, engines) in list(self.holds.items()):
+            engines.discard(engine)
+            if not engines:
+                del self.holds[xfer]
+        for src in list(self.src_by_req.values()):
+            mine = [d for d in src.dsts if d.engine == engine]
+            if engine not in src.holders and not mine:
+                continue
+            src.holders.discard(engine)
+            for d in mine:
+                d.cancelled = True
+            if src.failed is None and not src.holders and not any(not d.cancelled for d in src.dsts):
+                src.failed = f"decode engine {engine} disconnected ({reason})"
+                self.counters["decode_disconnects"] += 1
+                log.warning("kvtransport: prefill request %s (transfer %s): %s; freeing its blocks",
+                            src.req_id, src.xfer, src.failed)
+
+    def _fail_dsts(self, src: _Source, reason: str) -> None:
+        for d in src.dsts:
+            if not d.final_sent and not d.cancelled:
+                self.send_fail(d.engine, [d.seq], reason)
+                d.cancelled = True
+
+    def send_fail(self, engine: str, seqs: list[str], reason: str) -> None:
+        log.warning("kvtransport: transfer to %s %s failed: %s", engine, seqs, reason)
+        if self.server is None or not self.server.send(engine, {"type": "fail", "seqs": seqs, "reason": reason}):
+            log.warning("kvtransport: cannot tell decode engine %s (not connected)", engine)
+

@@ -1,0 +1,366 @@
+"""The receiving side of the CommManager: one :class:`_Inbound` per connected sender, and the receiver's
+admission helpers (the CHALLENGE, the HELLO's length check, refusing a connection early).
+
+An ``_Inbound`` is created by ``CommManager._on_hello`` (admission thread) and served on its own thread:
+the handshake past the HELLO, then every control frame of that sender in order (and, for two-sided
+backends, the data). Signals that arrived in one read are applied under one lock round. It reaches the
+manager's shared state (sequence table, counters, inbound list) through the manager it is given.
+
+Locks held here: ``_acks_lock`` (abort confirmations) and ``bell_lock`` (the mapped doorbell); both are
+leaves. Their place in the manager's lock order: :mod:`kvtransport.manager`.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from . import wire
+from .backend import InboundLink, PeerInfo
+from .coalesce import BlockRun
+from .doorbell import BellReader
+from .errors import (
+    ForeignSequence,
+    IncompatiblePeer,
+    KVTransportError,
+    PeerDisconnected,
+    ProtocolError,
+    SequenceAborted,
+    SlotsExhausted,
+    TransferError,
+)
+from .layout import KVLayout, pieces_crc32
+from .semaphores import SeqId
+from .sidechannel import FramedSocket
+from .wire import FrameType
+
+if TYPE_CHECKING:
+    from .manager import CommManager
+
+log = logging.getLogger("kvtransport")
+MAX_PENDING_CHECKSUMS = 4096
+"""Debug checksums one sender may have waiting for their signals; more drops its link (a bounded buffer)."""
+
+
+def _challenge() -> tuple[bytes, bytes]:
+    """A fresh nonce and the CHALLENGE frame carrying it (sent to each connection on accept)."""
+    nonce = secrets.token_bytes(16)
+    return nonce, wire.frame(FrameType.CHALLENGE, wire.json_payload({"nonce": nonce.hex()}))
+
+
+def _hello_length(header: bytes) -> int:
+    """The payload length of a connection's first frame, which must be a HELLO (ProtocolError otherwise)."""
+    kind, length = wire.parse_header(header)
+    if kind != FrameType.HELLO:
+        raise ProtocolError(f"expected HELLO, got {kind.name}")
+    return length
+
+
+def _refuse_now(sock: socket.socket, exc: KVTransportError) -> None:
+    """Best effort: tell a connection still in its handshake why it is refused (one small non-blocking
+    write), then close it."""
+    try:
+        sock.setblocking(False)
+        sock.send(wire.frame(FrameType.REFUSE, wire.json_payload({"error": type(exc).__name__, "message": str(exc)})))
+    except OSError:
+        pass
+    finally:
+        sock.close()
+
+
+class _Inbound:
+    """One connected sender, served on its own thread."""
+
+    def __init__(self, cm: CommManager, conn: FramedSocket) -> None:
+        self.cm = cm
+        self.conn = conn
+        self.link: InboundLink | None = None
+        self.peer: str | None = None
+        self.closed = False
+        self._checksums: dict[SeqId, list[tuple[int, int, list[BlockRun]]]] = {}
+        self._pending_checksums = 0
+        self._acks: dict[tuple[SeqId, int], threading.Event] = {}
+        self._acks_lock = threading.Lock()
+        self.bell: BellReader | None = None  # the sender's doorbell, when it offered one we could map
+        self.bell_lock = threading.Lock()
+
+    def expect_ack(self, seq: SeqId, token: int) -> threading.Event:
+        ev = threading.Event()
+        with self._acks_lock:
+            self._acks[(seq, token)] = ev
+            if self.closed:
+                ev.set()
+        return ev
+
+    def forget_ack(self, seq: SeqId, token: int) -> None:
+        with self._acks_lock:
+            ev = self._acks.pop((seq, token), None)
+        if ev is not None:
+            ev.set()
+
+    def serve(self, hello_body: str) -> None:
+        """Handshake thread, then the connection's reader: ``hello_body`` is the HELLO's body (its HMAC over
+        our CHALLENGE's nonce was checked on admission when a secret is set)."""
+        cm = self.cm
+        try:
+            try:
+                self._handshake(hello_body)
+            finally:
+                cm._handshakes.release()
+            assert self.link is not None and self.peer is not None
+            two_sided = not cm.capabilities.one_sided
+            while True:
+                marks: list[tuple[SeqId, int | None]] = []  # landed events of consecutive SIGNALs: applied at once
+                try:
+                    for kind, payload in self.conn.recv_many():
+                        if kind == FrameType.SIGNAL:
+                            seq, layer, ticket, puts, nbytes = wire.decode_signal_full(payload)
+                            if layer is not None and layer >= cm.layout.num_layers:
+                                raise ProtocolError(f"SIGNAL for layer {layer} beyond our {cm.layout.num_layers} layers")
+                            if (puts or nbytes) and not two_sided:  # one-sided: what landed since the last one
+                                with cm._stats_lock:
+                                    cm._stats.puts_received += puts
+                                    cm._stats.bytes_received += nbytes
+                            bell = self.bell
+                            if ticket and bell is not None:
+                                with self.bell_lock:
+                                    if not bell.frame_applies(ticket):
+                                        continue  # the doorbell applied it already
+                            if self._checksums:
+                                self._apply(marks)
+                                if not self._verify(seq, layer):
+                                    continue
+                            marks.append((seq, layer))
+                            continue
+                        self._apply(marks)  # other frames see every earlier signal applied
+                        self._on_frame(kind, payload, two_sided)
+                finally:  # signals that arrived before a bad frame still count
+                    self._apply(marks)
+        except KVTransportError as exc:
+            if not cm._closed:
+                if self.peer is not None:
+                    failed = cm._table.fail_peer(self.peer, PeerDisconnected(f"peer {self.peer} lost: {exc}"))
+                    if failed:
+                        cm._count_failure()
+                        log.warning("peer %s lost with %d sequences in flight: %s", self.peer, len(failed), exc)
+                else:
+                    log.info("side-channel connection from %s refused: %s", self.conn.peer_label, exc)
+        except Exception as exc:  # never let a receiver thread die silently
+            log.exception("receiver thread for %s crashed", self.conn.peer_label)
+            if self.peer is not None:
+                cm._table.fail_peer(self.peer, PeerDisconnected(f"receiver error: {exc}"))
+        finally:
+            self.close()
+            cm._drop_inbound(self)
+
+    def _apply(self, marks: list[tuple[SeqId, int | None]]) -> None:
+        """Mark a run of signalled events landed (one table operation) and empty ``marks``; NACK the events
+        refused for want of a slot."""
+        if not marks:
+            return
+        cm = self.cm
+        marks, pending = list(marks), marks
+        pending.clear()
+        refused = cm._table.mark_many(marks, peer=self.peer)
+        completed = sum(1 for _, layer in marks if layer is None) - sum(1 for _, layer, _ in refused if layer is None)
+        if completed:
+            with cm._stats_lock:
+                cm._stats.sequences_completed += completed
+        for seq, _, exc in refused:
+            self._refuse(seq, exc)
+
+    def _refuse(self, seq: SeqId, exc: KVTransportError) -> None:
+        """Tell the sender that its event for ``seq`` was refused (NACK); foreign ones are counted."""
+        if isinstance(exc, ForeignSequence):
+            with self.cm._stats_lock:
+                self.cm._stats.foreign_refused += 1
+        self.conn.send(FrameType.NACK, wire.encode_error(seq, exc))
+
+    def _on_frame(self, kind: FrameType, payload: bytes, two_sided: bool) -> None:
+        """Every frame but SIGNAL, in order."""
+        cm = self.cm
+        if kind == FrameType.PUT and two_sided:
+            self._on_put(payload)
+        elif kind == FrameType.CHECKSUM:
+            seq, ck_layer, crc, runs = wire.decode_checksum(payload)
+            if ck_layer >= cm.layout.num_layers or any(r.dst + r.count > cm.layout.num_blocks for r in runs):
+                raise ProtocolError("CHECKSUM frame outside our layout")
+            self._pending_checksums += 1
+            if self._pending_checksums > MAX_PENDING_CHECKSUMS:
+                raise ProtocolError(f"more than {MAX_PENDING_CHECKSUMS} checksums wait for their signals")
+            self._checksums.setdefault(seq, []).append((ck_layer, crc, runs))
+        elif kind == FrameType.ABORT_ACK:
+            seq, token = wire.decode_abort(payload)
+            self.forget_ack(seq, token)
+        elif kind == FrameType.CANCEL:
+            seq = wire.decode_cancel(payload)
+            try:  # record it even if nobody waits yet, so a later wait fails at once
+                cm._table.acquire(seq, peer=self.peer, remote=True)
+            except SlotsExhausted:
+                pass
+            except ForeignSequence as exc:  # another sender's sequence: not ours to cancel
+                self._refuse(seq, exc)
+                return
+            cm._table.fail(seq, SequenceAborted(f"sequence {seq!r} was cancelled by the sender"))
+        elif kind == FrameType.PING:
+            self.conn.send(FrameType.PONG)
+        elif kind == FrameType.DOORBELL:
+            self._open_bell(wire.parse_json_payload(payload, "DOORBELL"))
+        else:
+            raise ProtocolError(f"unexpected {kind.name} frame from a connected peer")
+
+    def _open_bell(self, offer: dict[str, Any]) -> None:
+        """The sender offers a doorbell (kvtransport.doorbell); map it if we can, else signals come by frame."""
+        path = offer.get("path")
+        settings = self.cm.settings
+        if settings.checksum or not settings.doorbell or self.bell is not None or not isinstance(path, str):
+            return  # checksums are verified when the SIGNAL frame arrives: keep that path only
+        try:
+            bell = BellReader(path)
+        except (OSError, ProtocolError) as exc:  # another host, or no /dev/shm: the frames carry every signal
+            log.info("doorbell of %s not mapped (%s); completions come by the side channel", self.peer, exc)
+            return
+        with self.bell_lock:
+            self.bell = bell
+        self.cm._add_bell(self)
+
+    def poll_bell(self) -> int:
+        """Apply the signals the doorbell shows landed: 2 if it applied any, 1 if a signal is announced
+        and its copies still run, else 0 (see SequenceTable.poller). Non-blocking; any thread."""
+        bell = self.bell
+        if bell is None:
+            return 0
+        with self.bell_lock:
+            if self.bell is None:
+                return 0
+            events = bell.landed()
+            running = not events and bell.in_flight()
+        n = self.cm.layout.num_layers
+        events = [(seq, layer) for seq, layer in events if layer is None or 0 <= layer < n]
+        if not events:
+            return 1 if running else 0
+        with self.cm._stats_lock:
+            self.cm._stats.doorbell_signals += len(events)
+        try:
+            self._apply(events)
+        except KVTransportError as exc:  # a NACK that could not be sent: the reader thread sees the link fail
+            log.info("doorbell signals from %s: %s", self.peer, exc)
+        return 2
+
+    def _handshake(self, body: str) -> None:
+        """The handshake past the (admitted, authenticated) HELLO: metadata, compatibility, the backend's link."""
+        cm = self.cm
+        deadline = time.monotonic() + cm.settings.timeout
+        answer = None
+        try:
+            hello = wire.parse_json_payload(body.encode(), "HELLO body")
+            meta = hello.get("metadata")
+            request = hello.get("request")
+            if not isinstance(meta, dict) or not isinstance(request, dict):
+                raise ProtocolError("HELLO body lacks metadata/request")
+            meta = wire.decode_metadata(wire.encode_metadata(meta))  # same validation as connect()
+            cm._check_compatible(meta)
+            if not cm._old_link_gone(meta["instance"]):  # one link per sender: no one takes over another's id
+                raise IncompatiblePeer(f"a sender with instance id {meta['instance']} is already connected")
+            info = PeerInfo(meta["instance"], meta["host"], KVLayout.from_wire(meta["layout"]), meta["transport"])
+            answer = cm.transport.answer(info, request)
+            welcome: dict[str, Any] = {"reply": answer.reply, "instance": cm.instance}
+            if cm.settings.secret is not None:  # we prove the secret too, over the sender's fresh nonce
+                try:
+                    their_nonce = bytes.fromhex(str(hello.get("nonce", "")))
+                except ValueError:
+                    raise ProtocolError("malformed HELLO: its nonce is not hex") from None
+                if len(their_nonce) < 16:
+                    raise ProtocolError("HELLO without a nonce of 16 bytes or more")
+                welcome["auth"] = wire.auth_tag(cm.settings.secret, their_nonce, b"welcome " + cm.instance.encode())
+            self.conn.send(FrameType.WELCOME, wire.json_payload(welcome))
+            self.link = answer.complete(max(0.001, deadline - time.monotonic()))
+            with cm._lock:
+                if meta["instance"] in (ib.peer for ib in cm._inbound.values()):  # (one that raced us)
+                    raise IncompatiblePeer(f"a sender with instance id {meta['instance']} is already connected")
+                self.peer = meta["instance"]
+                cm._table.peers = max(1, sum(1 for ib in cm._inbound.values() if ib.peer is not None))
+            self.peer_layout = info.layout
+        except KVTransportError as exc:
+            if answer is not None:
+                answer.abort()
+            try:
+                self.conn.send(FrameType.REFUSE, wire.json_payload({"error": type(exc).__name__, "message": str(exc)}))
+            except KVTransportError:
+                pass
+            raise
+
+    def _verify(self, seq: SeqId, layer: int | None) -> bool:
+        """Debug option ``checksum``: recompute the CRCs of what landed for ``seq`` (one layer, or all
+        that are pending) before the signal counts. On a mismatch the sequence fails; returns False."""
+        cm = self.cm
+        pending = self._checksums.get(seq, [])
+        due = [c for c in pending if layer is None or c[0] == layer]
+        self._pending_checksums -= len(due)
+        self._checksums[seq] = [c for c in pending if c not in due]
+        if not self._checksums[seq]:
+            del self._checksums[seq]
+        for lyr, crc, runs in due:
+            if pieces_crc32(cm.layout.layers[lyr], runs, source=False) != crc:
+                try:
+                    cm._table.acquire(seq, peer=self.peer, remote=True)
+                except ForeignSequence as exc:
+                    self._refuse(seq, exc)
+                    return False
+                cm._table.fail(seq, TransferError(
+                    f"integrity check failed for sequence {seq!r} layer {lyr}: the bytes that landed differ "
+                    "from what was sent (silent corruption on the path)"))
+                cm._count_failure()
+                return False
+        return True
+
+    def _on_put(self, payload: bytes) -> None:
+        cm = self.cm
+        assert self.link is not None
+        seq, layer, runs = wire.decode_put(payload)
+        if layer >= cm.layout.num_layers:
+            raise ProtocolError(f"PUT for layer {layer} beyond our {cm.layout.num_layers} layers")
+        for r in runs:
+            if r.dst + r.count > cm.layout.num_blocks or r.src + r.count > self.peer_layout.num_blocks:
+                raise ProtocolError(f"PUT run {r} is beyond the block range")
+        try:
+            st = cm._table.acquire(seq, peer=self.peer, remote=True)
+            dropped: KVTransportError | None = None
+            if st is None:
+                dropped = TransferError(f"sequence {seq!r} was released by the receiver; data discarded")
+        except (SlotsExhausted, ForeignSequence) as exc:
+            st, dropped = None, exc
+        if st is None or st.finished:
+            self.link.discard(layer, runs, cm.settings.timeout)
+            if dropped is not None:
+                self._refuse(seq, dropped)
+            return
+        self.link.receive(layer, runs, cm.settings.timeout)
+        nblocks = sum(r.count for r in runs)
+        with cm._stats_lock:
+            cm._stats.puts_received += 1
+            cm._stats.bytes_received += nblocks * cm.layout.layers[layer].block_bytes
+
+    def close(self) -> None:
+        with self._acks_lock:
+            self.closed = True  # a sender that is gone cannot write: release everyone waiting for its ack
+            acks, self._acks = list(self._acks.values()), {}
+        for ev in acks:
+            ev.set()
+        if self.bell is not None:
+            self.cm._drop_bell(self)
+            with self.bell_lock:
+                bell, self.bell = self.bell, None
+            if bell is not None:
+                bell.close()
+        self.conn.close()
+        link, self.link = self.link, None
+        if link is not None:
+            try:
+                link.close()
+            except Exception as exc:
+                log.warning("inbound link close failed: %s", exc)
