@@ -91,7 +91,7 @@ def _primitives(cm: Any) -> dict[str, float]:
     if raw is not None:
         out["torch._C._cuda_getCurrentRawStream"] = cost(lambda: raw(0))
     try:
-        from kvtransport.cudacopy import SegmentCopier
+        from kvtransport.gpu import SegmentCopier
     except ImportError:
         return out
     import numpy as np

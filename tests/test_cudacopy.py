@@ -1,4 +1,4 @@
-"""kvtransport.cudacopy on the CPU: the launcher's event ring and marks, driven through a simulated CUDA
+"""kvtransport.gpu (the device copy path) on the CPU: the launcher's event ring and marks, driven through a simulated CUDA
 driver (launches and event records go to a fake stream whose completion the test decides), and the
 vectorised segment helpers. The copy kernel itself runs only on GPU hosts (the gpu/gpu2 conformance)."""
 
@@ -13,9 +13,9 @@ import pytest
 
 np = pytest.importorskip("numpy")
 
-from kvtransport import cudacopy  # noqa: E402
+from kvtransport import gpu as cudacopy  # noqa: E402
 
-NOT_READY = cudacopy._Driver.NOT_READY
+NOT_READY = cudacopy.Driver.NOT_READY
 
 
 class FakeDriver:
@@ -153,7 +153,7 @@ def copier(monkeypatch):
     fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event, Device=Device, ExternalStream=Stream),
                                       RawKernel=RawKernel, asarray=HostArray)
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
-    monkeypatch.setattr(cudacopy, "_Driver", FakeDriver)
+    monkeypatch.setattr(cudacopy.driver, "_Driver", FakeDriver)
     monkeypatch.setattr(cudacopy.SegmentCopier, "EVENTS", 4)
     c = cudacopy.SegmentCopier(0)
     c._stream_ptr = lambda: 7

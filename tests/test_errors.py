@@ -3,11 +3,11 @@ the caller a typed kvtransport error (one helper, ``map_errors``, does it everyw
 and errors about one sequence or peer say which in fields, not only in text."""
 
 import pytest
-from kvtransport.testing.cache import CacheSpec, HostCache
 
 import kvtransport as kt
 from kvtransport.errors import map_errors
 from kvtransport.testing import inproc
+from kvtransport.workload.caches import CacheSpec, HostCache
 
 SPEC = CacheSpec(num_layers=2, num_blocks=8, heads=1, block_size=4, head_dim=8, order="NHD")
 

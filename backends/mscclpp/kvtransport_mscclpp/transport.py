@@ -8,7 +8,7 @@ receiver sends its registered KV extents.
 
 * **CudaIpc** (a peer on this host): the receiver's registrations arrive already mapped into the sender;
   each put is one kernel on the caller's current stream (after the kernels that produced the KV) that
-  copies every segment of the put with 16-byte NVLink stores (:mod:`kvtransport.cudacopy`). No host call
+  copies every segment of the put with 16-byte NVLink stores (:mod:`kvtransport.gpu`). No host call
   per block, no 4 GiB offset limit (64-bit addresses), one memory id per KV extent, no proxy thread.
 * **IB0..IB7** (a peer on another host): both sides register their extents for RDMA and each segment is
   an RDMA write through ``Connection.write``; ``flush`` waits for completions, bounded. Not validated on
@@ -44,7 +44,6 @@ from kvtransport.backend import (
 )
 from kvtransport.coalesce import BlockRun
 from kvtransport.config import Settings, host_id, unknown_option
-from kvtransport.cudacopy import MappedPutter, PeerWindows, SegmentCopier, allocation_extents, segments
 from kvtransport.errors import (
     BackendUnavailable,
     ConfigurationError,
@@ -52,6 +51,7 @@ from kvtransport.errors import (
     KVTransportError,
     TransferError,
 )
+from kvtransport.gpu import MappedPutter, PeerWindows, SegmentCopier, allocation_extents, segments
 from kvtransport.layout import KVLayout
 
 from . import native, routing

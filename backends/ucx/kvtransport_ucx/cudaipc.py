@@ -4,7 +4,7 @@ UCX's cuda_ipc lane turns each segment into its own ``cudaMemcpyAsync``; a 2k-to
 them, and per-copy overhead then dominates (a few GB/s on an NVLink that carries ~390). Here the receiver
 exports a CUDA IPC handle per allocation of its KV cache (:func:`export_extents`), the sender maps them
 once (:class:`PeerMapping`, ``cuIpcOpenMemHandle`` with lazy peer access) and puts through the shared
-device copier of ``kvtransport.cudacopy`` (one launch per put on the caller's current stream, ordered
+device copier of ``kvtransport.gpu`` (one launch per put on the caller's current stream, ordered
 after the kernels that produced the KV).
 
 What is UCX-specific stays here: the IPC handle exchange (MSCCL++ registers memory its own way) and
@@ -23,8 +23,8 @@ import threading
 import time
 from typing import Any
 
-from kvtransport.cudacopy import Driver, PeerWindows, SegmentCopier
 from kvtransport.errors import TransferError, TransferTimeout
+from kvtransport.gpu import Driver, PeerWindows, SegmentCopier
 
 from . import _ucp
 
@@ -67,7 +67,7 @@ def driver() -> _IpcDriver:
 
 def export_extents(extents: list[tuple[int, int]]) -> list[list[Any]]:
     """For each (addr, len) extent: [addr, len, allocation base, IPC handle hex]. Needs a current context;
-    each extent must lie in one CUDA allocation (``cudacopy.allocation_extents`` cuts them so)."""
+    each extent must lie in one CUDA allocation (``kvtransport.gpu.allocation_extents`` cuts them so)."""
     drv = driver()
     out: list[list[Any]] = []
     for addr, length in extents:
@@ -138,7 +138,7 @@ class PeerMapping(PeerWindows):
 
 
 def wait_in_c(copier: SegmentCopier, mark: Any, timeout: float, after: _ucp.After | None = None) -> bool:
-    """Block until the launch behind ``mark`` (a ``cudacopy.Mark``) completed, bounded by ``timeout``.
+    """Block until the launch behind ``mark`` (a ``kvtransport.gpu.Mark``) completed, bounded by ``timeout``.
 
     With the C helper the whole wait is one GIL-free foreign call that polls ``cuEventQuery`` (spinning
     SPIN_S, then sleeping SLEEP_S between polls) and then performs ``after``; returns True. Without it

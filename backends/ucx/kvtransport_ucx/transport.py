@@ -48,7 +48,6 @@ from kvtransport.backend import (
 )
 from kvtransport.coalesce import BlockRun
 from kvtransport.config import Settings, host_id, unknown_option
-from kvtransport.cudacopy import MappedPutter, allocation_extents, segments, uniform
 from kvtransport.errors import (
     BackendUnavailable,
     CommClosed,
@@ -57,6 +56,7 @@ from kvtransport.errors import (
     TransferError,
     TransferTimeout,
 )
+from kvtransport.gpu import MappedPutter, allocation_extents, segments, uniform
 from kvtransport.layout import KVLayout
 from kvtransport.parking import Parking
 
@@ -168,7 +168,7 @@ class UcxTransport(Transport):
         """The shared CUDA IPC segment copier (compiled on first use); raises if CuPy is missing."""
         with self.lock:
             if self._copier is None:
-                from kvtransport.cudacopy import SegmentCopier
+                from kvtransport.gpu import SegmentCopier
 
                 self._copier = SegmentCopier(torch_device_index(self.layout.device))
             return self._copier
@@ -304,7 +304,7 @@ class _UcxOutLink(OutboundLink, CompletionMarks, FlushAndSend):
         if names and all(tl in SLOW_LANES for tl in names):  # name the interface(s) TCP goes over
             self.lanes += " via " + ",".join(net_devices)
         self.ipc: Any = None  # CUDA IPC: the peer's mapped KV memory (a cudaipc.PeerMapping)
-        self.ipc_putter: Any = None  # ... and the cudacopy.MappedPutter that launches this link's puts
+        self.ipc_putter: Any = None  # ... and the kvtransport.gpu.MappedPutter that launches this link's puts
         self._ipc_closed = False  # set by close(); the three above stay (a racing signal finds them)
         if tr.cuda and info.get("memory") == "cuda" and info.get("host") == host_id() and info.get("ipc"):
             try:

@@ -1,22 +1,8 @@
-"""Device-side scattered copies into peer-mapped GPU memory: one kernel launch per put.
-
-For backends whose peer KV memory is mapped into this process (CUDA IPC, MSCCL++ CudaIpc): the segments
-of a put — every contiguous (source, destination, length) piece of its coalesced runs — go to the GPU as
-one table, and one launch copies them all, each CTA one chunk of at most ``CHUNK`` bytes with 16-byte
-loads and stores (NVLink stores into the peer GPU). Per-block host calls are what make the usual paths
-slow on fragmented KV (4,096 ``cudaMemcpyAsync`` for a 2k-token Llama-8B request); one launch is not.
-
-Layers of one geometry share a segment table per request: the manager hands every layer of a request
-the same runs tuple, so :class:`MappedPutter` builds the table once and each put only adds the layer's
-base addresses.
-
-Loaded only by backends that need it (imports numpy at module level, CuPy and torch lazily); the core
-package never imports this module.
-"""
+"""One kernel launch per put: the copy kernel, its launcher (:class:`SegmentCopier`, an event ring and marks)
+and the per-link putter that builds a request's segment table once (:class:`MappedPutter`)."""
 
 from __future__ import annotations
 
-import bisect
 import collections
 import ctypes
 import logging
@@ -28,14 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from .coalesce import BlockRun
-from .errors import TransferError, TransferTimeout
-from .layout import KVLayout, LayerRegion
+from ..coalesce import BlockRun
+from ..errors import TransferError, TransferTimeout
+from ..layout import KVLayout
+from . import driver as _driver
+from .segments import PeerWindows, segments, split, uniform
 
 log = logging.getLogger("kvtransport.cudacopy")
 
-CHUNK = 64 << 10
-"""Largest piece one CTA copies; longer segments are split so a big contiguous put fills the GPU."""
 PLANS = 64
 """Requests whose device tables are kept (by runs identity)."""
 SPIN_S = 50e-6
@@ -86,155 +72,8 @@ MAX_GRID_Y = 65535
 """CUDA's limit on a grid's y dimension: the most layers one ``kvt_segment_copy_layers`` launch covers."""
 
 
-def segments(local: LayerRegion, remote: LayerRegion, runs: Sequence[BlockRun]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Vectorised (src, dst, len) uint64 arrays of every contiguous copy of a put (see layout.iter_segments)."""
-    r = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
-    srcs, dsts, lens = [], [], []
-    for lp, rp in zip(local.planes, remote.planes, strict=True):
-        size = lp.piece_bytes
-        if lp.block_stride == size and rp.block_stride == size:
-            srcs.append(lp.base + r[:, 0] * size)
-            dsts.append(rp.base + r[:, 1] * size)
-            lens.append(r[:, 2] * size)
-        else:
-            counts = r[:, 2]
-            offs = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-            srcs.append(lp.base + (np.repeat(r[:, 0], counts) + offs) * lp.block_stride)
-            dsts.append(rp.base + (np.repeat(r[:, 1], counts) + offs) * rp.block_stride)
-            lens.append(np.full(len(offs), size, dtype=np.int64))
-    return (np.concatenate(srcs).astype(np.uint64), np.concatenate(dsts).astype(np.uint64),
-            np.concatenate(lens).astype(np.uint64))
 
 
-def uniform(layout: KVLayout) -> bool:
-    """All layers have the same planes relative to their first plane (true for vLLM caches)."""
-    def shape(layer: LayerRegion) -> list[tuple[int, int, int]]:
-        b0 = layer.planes[0].base
-        return [(p.base - b0, p.block_stride, p.piece_bytes) for p in layer.planes]
-
-    first = shape(layout.layers[0])
-    return all(shape(layer) == first for layer in layout.layers[1:])
-
-
-def split(src: np.ndarray, dst: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Split segments longer than CHUNK into CHUNK-sized pieces (vectorised)."""
-    if not (lens > CHUNK).any():
-        return src, dst, lens
-    pieces = ((lens + CHUNK - 1) // CHUNK).astype(np.int64)
-    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
-    k = (np.arange(int(pieces.sum())) - first).astype(np.uint64)
-    off = k * np.uint64(CHUNK)
-    rep_src, rep_dst, rep_len = np.repeat(src, pieces), np.repeat(dst, pieces), np.repeat(lens, pieces)
-    return rep_src + off, rep_dst + off, np.minimum(rep_len - off, np.uint64(CHUNK))
-
-
-class PeerWindows:
-    """The peer's KV extents as mapped into this process: translates peer addresses to local pointers.
-
-    ``rows`` are (peer start address, length, local mapped pointer of that start)."""
-
-    def __init__(self, rows: Sequence[tuple[int, int, int]]) -> None:
-        ordered = sorted((int(a), int(a) + int(n), int(p)) for a, n, p in rows)
-        self._rows = ordered
-        self._starts = [r[0] for r in ordered]
-        self.starts = np.array([r[0] for r in ordered], dtype=np.uint64)
-        self.ends = np.array([r[1] for r in ordered], dtype=np.uint64)
-        self.local = np.array([r[2] for r in ordered], dtype=np.uint64)
-
-    def translate_range(self, remote: int, nbytes: int) -> int:
-        """Local pointer for the peer range ``[remote, remote + nbytes)``; it must lie in one extent."""
-        local, room = self.locate(remote)
-        if nbytes > room:
-            raise TransferError("a put targets memory outside the peer's registered KV cache")
-        return local
-
-    def locate(self, remote: int) -> tuple[int, int]:
-        """(local pointer of peer address ``remote``, bytes its extent holds from there on); TransferError
-        when no extent holds it."""
-        i = bisect.bisect_right(self._starts, remote) - 1
-        if i < 0 or remote >= self._rows[i][1]:
-            raise TransferError("a put targets memory outside the peer's registered KV cache")
-        start, end, local = self._rows[i]
-        return local + (remote - start), end - remote
-
-    def translate(self, remote: np.ndarray, lens: np.ndarray) -> np.ndarray:
-        idx = np.searchsorted(self.starts, remote, side="right") - 1
-        if (idx < 0).any() or ((remote + lens) > self.ends[np.maximum(idx, 0)]).any():
-            raise TransferError("a put targets memory outside the peer's registered KV cache")
-        return self.local[idx] + (remote - self.starts[idx])
-
-
-def allocation_extents(extents: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``extents`` cut at CUDA allocation boundaries (needs the device's context current, e.g. after
-    ``torch.cuda.set_device``). A layout's extents merge regions that are adjacent in the address space,
-    and the caching allocator hands out separate ``cudaMalloc`` blocks back to back; CUDA IPC maps and
-    RDMA registers one allocation at a time, so mapping a merged extent maps only its first allocation
-    (writes past it fault on the peer)."""
-    drv = _Driver()
-    out: list[tuple[int, int]] = []
-    for start, length in extents:
-        pos, end = start, start + length
-        while pos < end:
-            base, size = ctypes.c_uint64(), ctypes.c_size_t()
-            drv.check(drv.address_range(ctypes.byref(base), ctypes.byref(size), pos), "cuMemGetAddressRange")
-            stop = min(end, base.value + size.value)
-            if stop <= pos:
-                raise TransferError(f"CUDA reports an empty allocation at {pos:#x}")
-            out.append((pos, stop - pos))
-            pos = stop
-    return out
-
-
-class Driver:
-    """The CUDA driver calls of the launch path, through ctypes (each call releases the GIL, ~1 µs).
-    Backends subclass it to bind further calls from ``lib`` (e.g. CUDA IPC's)."""
-
-    NOT_READY = 600
-
-    def __init__(self) -> None:
-        self.lib = lib = ctypes.CDLL("libcuda.so.1")  # subclasses bind further calls from it
-        vp, ui = ctypes.c_void_p, ctypes.c_uint
-        self.launch = lib.cuLaunchKernel
-        self.launch.argtypes = [vp, ui, ui, ui, ui, ui, ui, ui, vp, ctypes.POINTER(vp), vp]
-        self.launch.restype = ctypes.c_int
-        self.record = lib.cuEventRecord
-        self.record.argtypes = [vp, vp]
-        self.record.restype = ctypes.c_int
-        self.query = lib.cuEventQuery
-        self.query.argtypes = [vp]
-        self.query.restype = ctypes.c_int
-        self.query_addr = ctypes.cast(self.query, vp).value  # for waits written in C (the ucx helper)
-        self.ctx_get = lib.cuCtxGetCurrent
-        self.ctx_get.argtypes = [ctypes.POINTER(vp)]
-        self.ctx_set = lib.cuCtxSetCurrent
-        self.ctx_set.argtypes = [vp]
-        self.address_range = lib.cuMemGetAddressRange_v2
-        self.address_range.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
-        self.address_range.restype = ctypes.c_int
-        self.host_register = lib.cuMemHostRegister_v2
-        self.host_register.argtypes = [vp, ctypes.c_size_t, ui]
-        self.host_register.restype = ctypes.c_int
-        self.host_unregister = lib.cuMemHostUnregister
-        self.host_unregister.argtypes = [vp]
-        self.host_unregister.restype = ctypes.c_int
-        self.host_device_pointer = lib.cuMemHostGetDevicePointer_v2
-        self.host_device_pointer.argtypes = [ctypes.POINTER(ctypes.c_uint64), vp, ui]
-        self.host_device_pointer.restype = ctypes.c_int
-        self.stream_wait_event = lib.cuStreamWaitEvent
-        self.stream_wait_event.argtypes = [vp, vp, ui]
-        self.stream_wait_event.restype = ctypes.c_int
-        self._error_string = lib.cuGetErrorString
-        self._error_string.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-
-    def check(self, rc: int, what: str) -> None:
-        if rc != 0:
-            msg = ctypes.c_char_p()
-            self._error_string(rc, ctypes.byref(msg))
-            raise TransferError(f"{what} failed: CUDA error {rc} ({(msg.value or b'?').decode()})")
-
-
-_Driver = Driver
-"""The name this module creates its drivers through (tests substitute a fake driver here)."""
 
 
 class Mark:
@@ -257,7 +96,7 @@ class Mark:
             rc = self.copier.driver.query(self.event.ptr)
         finally:
             self.copier.leave_context(prev)
-        if rc == _Driver.NOT_READY:
+        if rc == _driver._Driver.NOT_READY:
             return False
         self.copier.driver.check(rc, "device copy")
         return True
@@ -280,7 +119,7 @@ class SegmentCopier:
 
         self.cupy = cupy
         self.device_index = device_index
-        self.driver = _Driver()
+        self.driver = _driver._Driver()
         with cupy.cuda.Device(device_index):
             self.kernel = cupy.RawKernel(KERNEL, "kvt_segment_copy")
             self.kernel.compile()
