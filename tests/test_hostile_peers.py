@@ -18,6 +18,7 @@ from kvtransport.workload.harness import run_pair
 BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(not registry.probe(b).ok, reason=f"{b}: {registry.probe(b).reason}"))
             for b in ("ucx", "nccl")]
 H = "kvtransport.testing.hostile"
+FLOOD_ROLES = "kvtransport.testing.flood"
 
 
 @pytest.mark.timeout(240)
@@ -58,7 +59,8 @@ def test_a_flood_of_unauthenticated_connections_costs_bounded_memory_and_no_thre
     flood's size, is the bound), it starts no thread but the legitimate links' own, and hands no stranger to
     a handshake; after it, memory (within RSS_KEPT_MIB) and threads are back to the baseline."""
     rounds = FLOOD["rounds"]
-    r, s = run_pair(f"{H}.flood_receiver", f"{H}.flood_sender", {"backend": backend, **FLOOD}, timeout=200)
+    r, s = run_pair(f"{FLOOD_ROLES}.flood_receiver", f"{FLOOD_ROLES}.flood_sender", {"backend": backend, **FLOOD},
+                    timeout=200)
     base, after = r["baseline"], r["after"]
     peak = r["flood_peak_rss"] - base["rss"]
     print(f"\n[flood] {backend}: {s['connected']} strangers; RSS {base['rss']:.1f} MiB -> peak +{peak:.1f} -> "
