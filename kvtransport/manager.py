@@ -8,7 +8,8 @@ by default), in order; bytes travel over the backend.
 
 This module is the API (:class:`CommManager`, :class:`Peer`, :class:`Stats`) and the state shared by both
 sides; the sending side of a link is :mod:`kvtransport.sending` (``_Outbound``), the receiving side
-:mod:`kvtransport.receiving` (``_Inbound``), the GIL hand-off of a signaller :mod:`kvtransport.parking`.
+:mod:`kvtransport.receiving` (``_Inbound``, and ``ReceiverSide``: the admission methods ``CommManager``
+inherits), the GIL hand-off of a signaller :mod:`kvtransport.parking`.
 
 Threads: one accept thread, one thread per inbound peer (receives control frames and, for two-sided
 backends, the data), one reader thread per outbound peer (error reports from the receiver) and, for
@@ -49,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import checks, wire
-from .admission import Admission, PendingHello, RateLimitedLog
+from .admission import Admission, RateLimitedLog
 from .backend import PeerInfo, Transport
 from .coalesce import BlockRun, coalesce, single_runs
 from .config import Settings
@@ -68,7 +69,7 @@ from .errors import (
 )
 from .layout import KVLayout, pieces_crc32
 from .parking import Parking
-from .receiving import _challenge, _hello_length, _Inbound, _refuse_now
+from .receiving import ReceiverSide, _challenge, _hello_length, _Inbound
 from .semaphores import SeqId, SequenceTable
 from .sending import _as_lists, _complete_watching_refusal, _IdsKey, _Outbound, checked_runs
 from .sidechannel import FramedSocket
@@ -80,7 +81,9 @@ from .wire import FrameType
 from .parking import BUSY_GAP_NS as BUSY_GAP_NS
 from .parking import STARVED_NS as STARVED_NS
 from .parking import YIELD_S as YIELD_S
+from .receiving import MAX_INBOUND as MAX_INBOUND
 from .receiving import MAX_PENDING_CHECKSUMS as MAX_PENDING_CHECKSUMS
+from .receiving import RECONNECT_PROBE_S as RECONNECT_PROBE_S
 from .sending import MAX_FAILED_RECORDS as MAX_FAILED_RECORDS
 
 _Parking = Parking
@@ -93,10 +96,6 @@ PREAUTH_TIMEOUT_S = 10.0
 """A side-channel connection must complete its HELLO this soon (or within the manager's timeout if shorter)."""
 MAX_HANDSHAKES = 16
 """Handshakes past their HELLO (link set-up with the backend) at once; more wait in the admission queue."""
-MAX_INBOUND = 4096
-"""Connected senders at once; one more is refused."""
-RECONNECT_PROBE_S = 2.0
-"""How long a reconnecting sender's handshake waits for its old, probed link to end (see _old_link_gone)."""
 
 
 @dataclass
@@ -137,7 +136,7 @@ class Peer:
     _state: _Outbound = field(repr=False)
 
 
-class CommManager:
+class CommManager(ReceiverSide):
     """See the module docstring. Create with :func:`kvtransport.open`; use as a context manager."""
 
     def __init__(self, layout: KVLayout, settings: Settings, transport: Transport) -> None:
@@ -597,100 +596,3 @@ class CommManager:
             )
         if meta["instance"] == self.instance:
             raise IncompatiblePeer("cannot connect a CommManager to itself")
-
-    # ---------------------------------------------------------------- receiver side
-    def _on_hello(self, hello: PendingHello) -> bool | None:
-        """Admission thread: a connection sent a complete HELLO. Checks the secret first (a stranger never gets
-        a thread), then hands the connection to a handshake thread of its own. Returns True when taken, False
-        while every handshake slot is busy (the admission queue offers it again), None when refused."""
-        try:
-            outer = wire.parse_json_payload(hello.payload, "HELLO")
-            body = outer.get("body")
-            if not isinstance(body, str):
-                raise ProtocolError("HELLO without body")
-            if self.settings.secret is not None and not wire.auth_ok(
-                    self.settings.secret, hello.nonce, body.encode(), outer.get("auth")):
-                with self._stats_lock:
-                    self._stats.refused_peers += 1
-                raise ProtocolError("handshake authentication failed: the peer does not know KV_TRANSPORT_SECRET "
-                                    "(set the same secret on both sides)")
-            with self._lock:
-                if self._closed:
-                    raise CommClosed("CommManager closed")
-                if len(self._inbound) >= MAX_INBOUND:
-                    raise ProtocolError(f"this receiver already serves {MAX_INBOUND} senders; try another")
-        except KVTransportError as exc:
-            self._logs.log(logging.INFO, "refused", "side-channel connection from %s refused: %s", hello.label, exc)
-            _refuse_now(hello.sock, exc)
-            return None
-        if not self._handshakes.acquire(blocking=False):
-            return False
-        hello.sock.setblocking(True)
-        conn = FramedSocket(hello.sock, hello.label, self.settings.timeout)
-        conn.preload(hello.leftover)
-        inbound = _Inbound(self, conn)
-        with self._lock:
-            self._inbound[id(inbound)] = inbound
-        try:
-            self._spawn(inbound.serve, f"kvt-in-{hello.label.rsplit(':', 1)[-1]}", body)
-        except RuntimeError as exc:  # no thread could be started (a transient shortage): refuse, keep serving
-            self._handshakes.release()
-            with self._lock:
-                self._inbound.pop(id(inbound), None)
-            self._logs.log(logging.WARNING, "spawn", "kvtransport: cannot start a thread for %s (%s); refused",
-                           hello.label, exc)
-            inbound.close()
-            return None
-        return True
-
-    def _add_bell(self, inbound: _Inbound) -> None:
-        with self._lock:
-            self._bells = [*self._bells, inbound]
-            self._table.poller = self._poll_bells
-
-    def _drop_bell(self, inbound: _Inbound) -> None:
-        with self._lock:
-            self._bells = [ib for ib in self._bells if ib is not inbound]
-            if not self._bells:
-                self._table.poller = None
-
-    def _poll_bells(self) -> int:
-        """Apply what the doorbells of every inbound link show landed: 2 if anything was, 1 if a signal's
-        copies are still running, else 0. Any thread."""
-        state = 0
-        for inbound in self._bells:
-            state = max(state, inbound.poll_bell())
-        return state
-
-    def _old_link_gone(self, instance: str) -> bool:
-        """Whether no live link of sender ``instance`` remains. A sender that reconnects after a partition
-        may find its old link still here (its close never arrived): the old connection is probed (a PONG,
-        which a live sender ignores; a sender that closed it answers with a reset) and given
-        RECONNECT_PROBE_S to go. Handshake thread; bounded."""
-        with self._lock:
-            old = [ib for ib in self._inbound.values() if ib.peer == instance]
-        if not old:
-            return True
-        for ib in old:
-            try:
-                ib.conn.send(FrameType.PONG)
-            except KVTransportError:
-                ib.conn.close()  # already broken: its reader ends now
-        deadline = time.monotonic() + min(RECONNECT_PROBE_S, self.settings.timeout)
-        while time.monotonic() < deadline:
-            with self._lock:
-                if not any(ib.peer == instance for ib in self._inbound.values()):
-                    return True
-            time.sleep(0.02)
-        return False
-
-    def _drop_inbound(self, inbound: _Inbound) -> None:
-        with self._lock:
-            self._inbound.pop(id(inbound), None)
-            self._table.peers = max(1, sum(1 for ib in self._inbound.values() if ib.peer is not None))
-            if inbound.peer is not None:
-                self._departed[inbound.peer] = None
-                while len(self._departed) > 1024:
-                    self._departed.popitem(last=False)
-        if inbound.peer is not None:  # sequences expected from it (and not landed) fail now
-            self._table.fail_peer(inbound.peer, PeerDisconnected(f"sender {inbound.peer} disconnected"))

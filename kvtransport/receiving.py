@@ -17,13 +17,17 @@ import secrets
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, cast
 
 from . import wire
+from .admission import PendingHello, RateLimitedLog
 from .backend import InboundLink, PeerInfo
 from .coalesce import BlockRun
+from .config import Settings
 from .doorbell import BellReader
 from .errors import (
+    CommClosed,
     ForeignSequence,
     IncompatiblePeer,
     KVTransportError,
@@ -34,14 +38,18 @@ from .errors import (
     TransferError,
 )
 from .layout import KVLayout, pieces_crc32
-from .semaphores import SeqId
+from .semaphores import SeqId, SequenceTable
 from .sidechannel import FramedSocket
 from .wire import FrameType
 
 if TYPE_CHECKING:
-    from .manager import CommManager
+    from .manager import CommManager, Stats
 
 log = logging.getLogger("kvtransport")
+MAX_INBOUND = 4096
+"""Connected senders at once; one more is refused."""
+RECONNECT_PROBE_S = 2.0
+"""How long a reconnecting sender's handshake waits for its old, probed link to end (see _old_link_gone)."""
 MAX_PENDING_CHECKSUMS = 4096
 """Debug checksums one sender may have waiting for their signals; more drops its link (a bounded buffer)."""
 
@@ -364,3 +372,121 @@ class _Inbound:
                 link.close()
             except Exception as exc:
                 log.warning("inbound link close failed: %s", exc)
+
+
+class ReceiverSide:
+    """The receiving side's admission and bookkeeping, as methods of :class:`~kvtransport.manager.CommManager`
+    (which inherits them): a HELLO taken from the admission queue (:meth:`_on_hello`), the senders served
+    (``_inbound``), their doorbells, a reconnecting sender's old link, a sender's departure. The state is the
+    manager's, under its ``_lock`` (lock order: :mod:`kvtransport.manager`)."""
+
+    settings: Settings
+    _lock: threading.Lock
+    _closed: bool
+    _stats: Stats
+    _stats_lock: threading.Lock
+    _inbound: dict[int, _Inbound]
+    _bells: list[_Inbound]
+    _departed: OrderedDict[str, None]
+    _table: SequenceTable
+    _handshakes: threading.BoundedSemaphore
+    _logs: RateLimitedLog
+
+    def _spawn(self, fn: Any, name: str, *args: Any) -> threading.Thread:
+        raise NotImplementedError  # CommManager's
+
+    def _on_hello(self, hello: PendingHello) -> bool | None:
+        """Admission thread: a connection sent a complete HELLO. Checks the secret first (a stranger never gets
+        a thread), then hands the connection to a handshake thread of its own. Returns True when taken, False
+        while every handshake slot is busy (the admission queue offers it again), None when refused."""
+        try:
+            outer = wire.parse_json_payload(hello.payload, "HELLO")
+            body = outer.get("body")
+            if not isinstance(body, str):
+                raise ProtocolError("HELLO without body")
+            if self.settings.secret is not None and not wire.auth_ok(
+                    self.settings.secret, hello.nonce, body.encode(), outer.get("auth")):
+                with self._stats_lock:
+                    self._stats.refused_peers += 1
+                raise ProtocolError("handshake authentication failed: the peer does not know KV_TRANSPORT_SECRET "
+                                    "(set the same secret on both sides)")
+            with self._lock:
+                if self._closed:
+                    raise CommClosed("CommManager closed")
+                if len(self._inbound) >= MAX_INBOUND:
+                    raise ProtocolError(f"this receiver already serves {MAX_INBOUND} senders; try another")
+        except KVTransportError as exc:
+            self._logs.log(logging.INFO, "refused", "side-channel connection from %s refused: %s", hello.label, exc)
+            _refuse_now(hello.sock, exc)
+            return None
+        if not self._handshakes.acquire(blocking=False):
+            return False
+        hello.sock.setblocking(True)
+        conn = FramedSocket(hello.sock, hello.label, self.settings.timeout)
+        conn.preload(hello.leftover)
+        inbound = _Inbound(cast("CommManager", self), conn)
+        with self._lock:
+            self._inbound[id(inbound)] = inbound
+        try:
+            self._spawn(inbound.serve, f"kvt-in-{hello.label.rsplit(':', 1)[-1]}", body)
+        except RuntimeError as exc:  # no thread could be started (a transient shortage): refuse, keep serving
+            self._handshakes.release()
+            with self._lock:
+                self._inbound.pop(id(inbound), None)
+            self._logs.log(logging.WARNING, "spawn", "kvtransport: cannot start a thread for %s (%s); refused",
+                           hello.label, exc)
+            inbound.close()
+            return None
+        return True
+
+    def _add_bell(self, inbound: _Inbound) -> None:
+        with self._lock:
+            self._bells = [*self._bells, inbound]
+            self._table.poller = self._poll_bells
+
+    def _drop_bell(self, inbound: _Inbound) -> None:
+        with self._lock:
+            self._bells = [ib for ib in self._bells if ib is not inbound]
+            if not self._bells:
+                self._table.poller = None
+
+    def _poll_bells(self) -> int:
+        """Apply what the doorbells of every inbound link show landed: 2 if anything was, 1 if a signal's
+        copies are still running, else 0. Any thread."""
+        state = 0
+        for inbound in self._bells:
+            state = max(state, inbound.poll_bell())
+        return state
+
+    def _old_link_gone(self, instance: str) -> bool:
+        """Whether no live link of sender ``instance`` remains. A sender that reconnects after a partition
+        may find its old link still here (its close never arrived): the old connection is probed (a PONG,
+        which a live sender ignores; a sender that closed it answers with a reset) and given
+        RECONNECT_PROBE_S to go. Handshake thread; bounded."""
+        with self._lock:
+            old = [ib for ib in self._inbound.values() if ib.peer == instance]
+        if not old:
+            return True
+        for ib in old:
+            try:
+                ib.conn.send(FrameType.PONG)
+            except KVTransportError:
+                ib.conn.close()  # already broken: its reader ends now
+        deadline = time.monotonic() + min(RECONNECT_PROBE_S, self.settings.timeout)
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not any(ib.peer == instance for ib in self._inbound.values()):
+                    return True
+            time.sleep(0.02)
+        return False
+
+    def _drop_inbound(self, inbound: _Inbound) -> None:
+        with self._lock:
+            self._inbound.pop(id(inbound), None)
+            self._table.peers = max(1, sum(1 for ib in self._inbound.values() if ib.peer is not None))
+            if inbound.peer is not None:
+                self._departed[inbound.peer] = None
+                while len(self._departed) > 1024:
+                    self._departed.popitem(last=False)
+        if inbound.peer is not None:  # sequences expected from it (and not landed) fail now
+            self._table.fail_peer(inbound.peer, PeerDisconnected(f"sender {inbound.peer} disconnected"))

@@ -33,7 +33,7 @@ CHILDREN=${MUTMUT_CHILDREN:-1}
 # verification. The sender side (sending.py, parking.py) is left out.
 MANAGER_RECEIVE_CHECKS=(
   'kvtransport.manager.xǁCommManagerǁ_check_compatible__mutmut_*'
-  'kvtransport.manager.xǁCommManagerǁ_on_hello__mutmut_*'
+  'kvtransport.receiving.xǁReceiverSideǁ_on_hello__mutmut_*'
   'kvtransport.receiving.x__hello_length__mutmut_*'
   'kvtransport.receiving.xǁ_Inboundǁserve__mutmut_*'
   'kvtransport.receiving.xǁ_Inboundǁ_handshake__mutmut_*'

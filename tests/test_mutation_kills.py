@@ -942,7 +942,7 @@ def test_a_sender_alone_may_use_every_slot() -> None:
 
 def test_the_bound_on_connected_senders_is_exact(pair1: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     _, r, _ = pair1
-    monkeypatch.setattr(manager, "MAX_INBOUND", 1)
+    monkeypatch.setattr(receiving, "MAX_INBOUND", 1)
     with kt.open(HostCache(SPEC2).layout, backend="inproc") as s2, \
             pytest.raises(ProtocolError, match="already serves 1 senders"):
         s2.connect(r.metadata())

@@ -381,9 +381,9 @@ def nacks_sender(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
 def inbound_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
     """Serves at most ``cfg["max_inbound"]`` senders at once (MAX_INBOUND, lowered for the test: it is read
     at each handshake); reports how many it served when one more came, and after one left."""
-    from kvtransport import manager
+    from kvtransport import receiving
 
-    manager.MAX_INBOUND = cfg["max_inbound"]
+    receiving.MAX_INBOUND = cfg["max_inbound"]
     dst = HostCache(SPEC)
     out: dict[str, Any] = {}
     with kv_open(dst.layout, backend=cfg["backend"], timeout=10) as cm:
