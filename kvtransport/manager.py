@@ -68,26 +68,11 @@ from .errors import (
     map_errors,
 )
 from .layout import KVLayout, pieces_crc32
-from .parking import Parking
 from .receiving import ReceiverSide, _challenge, _hello_length, _Inbound
 from .semaphores import SeqId, SequenceTable
 from .sending import _as_lists, _complete_watching_refusal, _IdsKey, _Outbound, checked_runs
 from .sidechannel import FramedSocket
 from .wire import FrameType
-
-# isort: split
-# Re-exported for code that imports them from here. Each limit is read from its own module: to lower one,
-# set it there (e.g. kvtransport.receiving.MAX_PENDING_CHECKSUMS).
-from .parking import BUSY_GAP_NS as BUSY_GAP_NS
-from .parking import STARVED_NS as STARVED_NS
-from .parking import YIELD_S as YIELD_S
-from .receiving import MAX_INBOUND as MAX_INBOUND
-from .receiving import MAX_PENDING_CHECKSUMS as MAX_PENDING_CHECKSUMS
-from .receiving import RECONNECT_PROBE_S as RECONNECT_PROBE_S
-from .sending import MAX_FAILED_RECORDS as MAX_FAILED_RECORDS
-
-_Parking = Parking
-"""The parking object's former name (tests)."""
 
 log = logging.getLogger("kvtransport")
 RUNS_CACHE = 64

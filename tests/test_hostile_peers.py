@@ -128,7 +128,7 @@ def test_checksums_for_sequences_never_signalled_are_bounded() -> None:
     import time
 
     import kvtransport as kt
-    from kvtransport.manager import MAX_PENDING_CHECKSUMS
+    from kvtransport.receiving import MAX_PENDING_CHECKSUMS
     from kvtransport.workload.caches import CacheSpec, HostCache
 
     spec = CacheSpec(num_layers=1, num_blocks=4, heads=1, block_size=2, head_dim=4, order="NHD")

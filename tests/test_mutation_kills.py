@@ -824,7 +824,7 @@ class _Bell:
 
 
 def _inbound(bell: _Bell | None, apply: Callable[[list[Any]], None]) -> Any:
-    ib: Any = manager._Inbound.__new__(manager._Inbound)  # only what poll_bell reads
+    ib: Any = receiving._Inbound.__new__(receiving._Inbound)  # only what poll_bell reads
     ib.cm = type("CM", (), {"layout": KVLayout.from_regions(1, [[(BASE, 8, 8)], [(2 * BASE, 8, 8)]]),
                             "_stats_lock": threading.Lock(), "_stats": manager.Stats()})()
     ib.bell, ib.bell_lock, ib.peer = bell, threading.Lock(), "p"
@@ -987,7 +987,7 @@ def test_a_receiver_thread_that_crashes_fails_its_senders_sequences(pair1: Any,
     def crash(self: Any, kind: Any, payload: bytes, two_sided: bool) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(manager._Inbound, "_on_frame", crash)
+    monkeypatch.setattr(receiving._Inbound, "_on_frame", crash)
     peer._state.conn.send(wire.FrameType.PING)
     with pytest.raises(PeerDisconnected, match=r"^receiver error: boom$"):
         r.wait("inflight", timeout=5)

@@ -20,7 +20,7 @@ from kvtransport.admission import MAX_PENDING_BYTES
 
 from ..workload.caches import HostCache, verify_transfer
 from ..workload.harness import RoleLink
-from .hostile import PAIRS, SPEC, _os_threads, _py_threads, _rss_mib
+from .hostile import PAIRS, SPEC, _os_threads, _py_threads, _rss_mib, _status_mib
 
 # ============================================================== flood
 OLD_PAIRS = [(4, 10), (5, 11)]
@@ -48,11 +48,7 @@ def _reset_peak_rss() -> bool:
 
 
 def _peak_rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+    return _status_mib("VmHWM")
 
 
 class _Sampler:
@@ -93,9 +89,7 @@ class _Sampler:
                 continue
             self.max_rss = max(self.max_rss, _rss_mib())
             self.max_threads = max(self.max_threads, _os_threads())
-            extra = [n for n in _kvt_threads() if n not in self._base]
-            self.extra_kvt.update(extra)
-            self.max_extra_kvt = max(self.max_extra_kvt, len(extra))
+            self.observe(_kvt_threads())
 
 
 def _settle(cm: Any, want_kvt: list[str], until: Any = None, timeout: float = 15.0) -> bool:

@@ -39,12 +39,17 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def _rss_mib() -> float:
+def _status_mib(field: str) -> float:
+    """A size field of /proc/self/status (``VmRSS``, ``VmHWM``...) in MiB; 0 when absent."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return 0.0
+
+
+def _rss_mib() -> float:
+    return _status_mib("VmRSS")
 
 
 def _py_threads() -> list[str]:

@@ -32,15 +32,22 @@ def first_token_ineligible(body: dict[str, Any]) -> str | None:
     return None
 
 
-def first_token_prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    """The prefill leg of the first-token flow: the client's sampling, one token, not streamed."""
-    out = dict(body)  # shallow: only top-level keys change
+def one_token_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """A prefill leg of either flow: ``body`` with ``params`` as its kv_transfer_params, one token, not
+    streamed (a shallow copy: only top-level keys change)."""
+    out = dict(body)
     out["kv_transfer_params"] = params
     out["stream"] = False
     out.pop("stream_options", None)
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
+    return out
+
+
+def first_token_prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg of the first-token flow: the client's sampling, one token, not streamed."""
+    out = one_token_body(body, params)
     if isinstance(out.get("min_tokens"), int):
         out["min_tokens"] = min(out["min_tokens"], 1)
     return out

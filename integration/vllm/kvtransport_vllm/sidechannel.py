@@ -395,11 +395,8 @@ def _tell_and_close(sock: socket.socket, msg: dict[str, Any]) -> None:
 
 
 class _Retry(Exception):
-    """A handshake attempt failed in a way a later attempt may not (see PeerClient._connect_once)."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
+    """A handshake attempt failed in a way a later attempt may not (see PeerClient._connect_once); its
+    message is the reason."""
 
 
 class PeerClient:
@@ -465,18 +462,20 @@ class PeerClient:
     def _run(self) -> None:
         deadline = time.monotonic() + self._timeout
         delay = 0.05
+        warned = False  # the first retry is logged as a warning, later ones at debug level
         while True:
             try:
                 sock = self._connect_once(deadline)
                 break
             except _Retry as exc:  # a busy or restarting prefill: try again while the connect timeout lasts
                 if time.monotonic() + delay > deadline:
-                    log.error("kvtransport side channel: %s", exc.reason)
-                    self._die(exc.reason)
+                    log.error("kvtransport side channel: %s", str(exc))
+                    self._die(str(exc))
                     return
-                log.log(logging.WARNING if delay == 0.05 else logging.DEBUG,
-                        "kvtransport side channel: %s; retrying for %.0f s more", exc.reason,
+                log.log(logging.DEBUG if warned else logging.WARNING,
+                        "kvtransport side channel: %s; retrying for %.0f s more", str(exc),
                         deadline - time.monotonic())
+                warned = True
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
             except ProtocolFailure as exc:  # refused, incompatible, unauthenticated: final
