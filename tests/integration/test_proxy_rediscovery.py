@@ -1,5 +1,6 @@
-"""The proxy finds a prefill again after its side channel moved, and drops a dead one for a bounded backoff.
-Fake prefill/decode servers (an httpx transport) and real listening sockets as side channels; no vLLM process."""
+"""The proxy finds a prefill again after its side channel moved, drops a dead one for a bounded backoff, and
+bounds the discovery of a prefill that accepts and never answers. Fake prefill/decode instances are real loopback
+HTTP servers (a dead one stops listening), with real listening sockets as side channels; no vLLM process."""
 
 from __future__ import annotations
 
@@ -12,22 +13,48 @@ from typing import Any
 import pytest
 
 httpx = pytest.importorskip("httpx")
-pytest.importorskip("fastapi", reason="the proxy's web dependencies are not installed")
+pytest.importorskip("httptools", reason="the proxy's HTTP dependencies are not installed")
 proxy_mod = pytest.importorskip("kvtransport_vllm.proxy", reason="kvtransport-vllm is not installed")
+from kvtransport_vllm import http11  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
 
 class FakeCluster:
-    """Prefill instances (``http://pN``) whose side channel is a real listening socket, and one decode
-    (``http://d``) recording the side-channel port each decode request was told. ``dead`` instances refuse."""
+    """Prefill instances (``pN``) whose side channel is a real listening socket, and one decode (``d``) recording
+    the side-channel port each decode request was told; each an HTTP server on a port of its own. A ``dead``
+    instance's server is closed (connections refused) until it is revived on the same port. ``hang``: prefills
+    that accept discovery (and model-name) requests and never answer them."""
 
     def __init__(self, names: list[str]) -> None:
+        self.names = names
         self.listeners = {n: socket.create_server(("127.0.0.1", 0)) for n in names}
-        self.dead: set[str] = set()
         self.discoveries: dict[str, int] = dict.fromkeys(names, 0)
         self.prefills: dict[str, int] = dict.fromkeys(names, 0)
         self.told_ports: list[int] = []
+        self.hang: set[str] = set()
+        self.hung = 0  # requests left unanswered
+        self.servers: dict[str, Any] = {}
+        self.ports: dict[str, int] = {}
+
+    async def start(self) -> None:
+        for name in [*self.names, "d"]:
+            await self.revive(name)
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.ports[name]}"
+
+    async def kill(self, name: str) -> None:
+        await self.servers.pop(name).aclose()
+
+    async def revive(self, name: str) -> None:
+        server = http11.Server(self.handler(name))
+        self.servers[name] = await server.start("127.0.0.1", self.ports.get(name, 0))
+        self.ports[name] = server.port
+
+    @property
+    def dead(self) -> set[str]:
+        return {n for n in self.names if n not in self.servers}
 
     def port(self, name: str) -> int:
         return int(self.listeners[name].getsockname()[1])
@@ -36,52 +63,65 @@ class FakeCluster:
         self.listeners[name].close()
         self.listeners[name] = socket.create_server(("127.0.0.1", 0))
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        for server in self.servers.values():
+            await server.aclose()
         for s in self.listeners.values():
             s.close()
 
-    def handler(self, request: httpx.Request) -> httpx.Response:
-        host = request.url.host
-        if host in self.dead:
-            raise httpx.ConnectError("connection refused", request=request)
-        if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": "tiny"}]})
-        body = json.loads(request.content)
-        params = body.get("kv_transfer_params") or {}
-        if host == "d":
-            self.told_ports.append(params["remote_port"])
-            return httpx.Response(200, headers={"content-type": "application/json"},  # streamed, as vLLM does
-                                  stream=httpx.ByteStream(b'{"choices": [{"text": "ok"}]}'))
-        side = {"host": "127.0.0.1", "port": self.port(host), "engine": f"engine-{host}-{self.port(host)}"}
-        if params.get("kvt_discover"):
-            self.discoveries[host] += 1
-            return httpx.Response(200, json={"kv_transfer_params": {
-                "kvt_host": side["host"], "kvt_port": side["port"], "kvt_engine_id": side["engine"]}})
-        self.prefills[host] += 1
-        return httpx.Response(200, json={"kv_transfer_params": {
-            "do_remote_prefill": True, "remote_host": side["host"], "remote_port": side["port"],
-            "remote_engine_id": side["engine"]}})
+    def handler(self, host: str) -> Any:
+        async def handle(request: Any, reply: Any) -> None:
+            if host in self.hang and (request.path == "/v1/models" or b"kvt_discover" in request.body):
+                self.hung += 1
+                await asyncio.sleep(3600)
+            if request.path == "/v1/models":
+                reply.send(200, json.dumps({"data": [{"id": "tiny"}]}).encode())
+                return
+            body = json.loads(request.body)
+            params = body.get("kv_transfer_params") or {}
+            if host == "d":
+                self.told_ports.append(params["remote_port"])
+                reply.send(200, b'{"choices": [{"text": " w7 ok"}]}')
+                return
+            side = {"host": "127.0.0.1", "port": self.port(host), "engine": f"engine-{host}-{self.port(host)}"}
+            if params.get("kvt_discover"):
+                self.discoveries[host] += 1
+                reply.send(200, json.dumps({"kv_transfer_params": {
+                    "kvt_host": side["host"], "kvt_port": side["port"], "kvt_engine_id": side["engine"]}}).encode())
+                return
+            self.prefills[host] += 1
+            reply.send(200, json.dumps({"id": "cmpl-p", "choices": [{"index": 0, "text": " w7",
+                                                                     "finish_reason": "length"}],
+                                        "kv_transfer_params": {
+                                            "do_remote_prefill": True, "remote_host": side["host"],
+                                            "remote_port": side["port"], "remote_engine_id": side["engine"]}}).encode())
+
+        return handle
 
 
 async def complete(client: Any) -> int:
     r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+    if r.status_code == 200:
+        assert r.json() == {"choices": [{"text": " w7 ok"}]}
     return int(r.status_code)
 
 
-def run(names: list[str], scenario: Any) -> None:
+def run(names: list[str], scenario: Any, **kw: Any) -> None:
     cluster = FakeCluster(names)
-    proxy = proxy_mod.Proxy([f"http://{n}" for n in names], ["http://d"], transport=httpx.MockTransport(cluster.handler))
 
     async def main() -> None:
-        app = proxy_mod.build_app(proxy)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
-            await scenario(cluster, proxy, client)
-        await proxy.close()
+        await cluster.start()
+        proxy = proxy_mod.Proxy([cluster.url(n) for n in names], [cluster.url("d")], **kw)
+        server = await proxy.serve("127.0.0.1", 0)
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=30) as client:
+                await scenario(cluster, proxy, client)
+        finally:
+            await server.aclose()
+            await proxy.close()
+            await cluster.close()
 
-    try:
-        asyncio.run(main())
-    finally:
-        cluster.close()
+    asyncio.run(main())
 
 
 def test_a_prefill_restarted_on_a_new_port_is_found_again() -> None:
@@ -110,7 +150,7 @@ def test_a_dead_prefill_is_dropped_at_once_and_retried_after_a_bounded_backoff()
     async def scenario(cluster: FakeCluster, proxy: Any, client: Any) -> None:
         p1, _ = proxy.prefill
         assert await complete(client) == 200 and await complete(client) == 200  # both learned, both serve
-        cluster.dead.add("p1")
+        await cluster.kill("p1")
         p1.side_checked -= proxy_mod.REVALIDATE_AFTER_S + 1
         cluster.listeners["p1"].close()
         for _ in range(6):  # every request is served: the one that picked the dead prefill went to p2
@@ -125,7 +165,7 @@ def test_a_dead_prefill_is_dropped_at_once_and_retried_after_a_bounded_backoff()
         for _ in range(40):  # consecutive failures: the backoff doubles up to its bound
             p1.mark_down("still dead")
         assert p1.down_until - time.monotonic() <= proxy_mod.BACKOFF_MAX_S
-        cluster.dead.discard("p1")  # it comes back (on a new port): found again once its backoff ends
+        await cluster.revive("p1")  # it comes back (on a new side-channel port): found again once its backoff ends
         cluster.restart_on_new_port("p1")
         p1.down_until = 0.0
         for _ in range(2):
@@ -137,8 +177,51 @@ def test_a_dead_prefill_is_dropped_at_once_and_retried_after_a_bounded_backoff()
 
 def test_no_live_prefill_is_a_503_not_a_hang() -> None:
     async def scenario(cluster: FakeCluster, proxy: Any, client: Any) -> None:
-        cluster.dead.update({"p1", "p2"})
-        assert await complete(client) == 503
-        assert all(i.failures == 1 for i in proxy.prefill)
+        await cluster.kill("p1")
+        await cluster.kill("p2")
+        r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503
+        assert r.json() == {"error": f"no prefill instance reachable: {cluster.url('p1')}, {cluster.url('p2')}"}
+        assert [i.failures for i in proxy.prefill] == [1, 1]
 
     run(["p1", "p2"], scenario)
+
+
+BOUND = 0.5
+
+
+def test_a_discovery_that_never_answers_ends_within_its_bound() -> None:
+    async def scenario(cluster: FakeCluster, proxy: Any, client: Any) -> None:
+        (p,) = proxy.prefill
+        cluster.hang.add("p1")
+        t0 = time.monotonic()
+        # two requests at once: the second waits for the first's discovery (the instance lock), then fails at
+        # once instead of asking again
+        codes = await asyncio.gather(complete(client), complete(client))
+        took = time.monotonic() - t0
+        assert codes == [503, 503] and BOUND <= took < 2 * BOUND
+        assert (p.failures, cluster.hung) == (1, 1) and not p.lock.locked()
+        # the prefill answers again: the next request (once the backoff ran out) is served
+        cluster.hang.clear()
+        p.down_until = 0.0
+        assert await complete(client) == 200
+        assert (p.failures, cluster.discoveries["p1"], cluster.prefills["p1"]) == (0, 1, 1)
+
+    run(["p1"], scenario, discovery_timeout=BOUND)
+
+
+def test_a_hung_prefill_costs_one_bound_and_the_request_goes_to_the_next() -> None:
+    async def scenario(cluster: FakeCluster, proxy: Any, client: Any) -> None:
+        p1, p2 = proxy.prefill
+        assert await complete(client) == 200  # p1 learned (the model name too)
+        cluster.hang.add("p1")
+        p1.side = None  # forgotten: the next use of p1 asks it again, and it never answers
+        assert await complete(client) == 200  # p2
+        t0 = time.monotonic()
+        assert await complete(client) == 200  # p1 hangs: within the bound, the request goes to p2
+        took = time.monotonic() - t0
+        assert BOUND <= took < BOUND + 0.5
+        assert (p1.failures, p2.failures, cluster.prefills) == (1, 0, {"p1": 1, "p2": 2})
+        assert await complete(client) == 200 and cluster.prefills == {"p1": 1, "p2": 3}  # p1 out of rotation
+
+    run(["p1", "p2"], scenario, discovery_timeout=BOUND)

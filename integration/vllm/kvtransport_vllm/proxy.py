@@ -6,18 +6,25 @@ Push mode (default, the layer-wise flow): for each request the proxy picks a pre
 round-robin and sends both requests *at once*: the decode request carries the prefill engine's side-channel
 address, so the decode side allocates its blocks and sends their ids to the prefill side while (or before)
 the prompt is computed; the prefill request (``max_tokens=1``) carries the transfer id and the fan-out
-(``n``). The decode answer (streamed or not) is relayed to the client. The prefill engine's side-channel
-address is learned with a one-token discovery request, and re-learned: from every prefill response (its
-``remote_host`` / ``remote_port``), after any failure of that instance (the cache is dropped), and, when
-cached longer than ``REVALIDATE_AFTER_S``, by a TCP connect (``PROBE_TIMEOUT_S``) before it is handed out.
-A prefill that fails (discovery, probe or request) leaves the rotation for a backoff of ``BACKOFF_MIN_S``
-doubling to ``BACKOFF_MAX_S``; a request that picked it goes to the next live prefill instead (a prefill
-that restarted on a new side-channel port is found again at its next use).
+(``n``). By default the client gets the first token from the prefill's answer the moment it arrives, then the
+decode's answer, which includes that token (see :mod:`.firsttoken`); with ``--first-token decode`` (and for the
+requests :func:`first_token_ineligible` names) the decode's answer is relayed as it is. The prefill engine's
+side-channel address is learned with a one-token discovery request (bounded: ``DISCOVERY_TIMEOUT_S``), and
+re-learned: from every prefill response (its ``remote_host`` / ``remote_port``), after any failure of that
+instance (the cache is dropped), and, when cached longer than ``REVALIDATE_AFTER_S``, by a TCP connect
+(``PROBE_TIMEOUT_S``) before it is handed out. A prefill that fails (discovery, probe or request) leaves the
+rotation for a backoff of ``BACKOFF_MIN_S`` doubling to ``BACKOFF_MAX_S``; a request that picked it goes to the
+next live prefill instead (a prefill that restarted on a new side-channel port is found again at its next use).
 
 Pull mode (``--mode pull``): the order of vLLM's toy proxy (prefill first, its ``kv_transfer_params`` handed
 to decode), with NixlConnector's keys.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health.
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (the first decode's), GET /health.
+
+The HTTP layer is :mod:`.http11` (asyncio + httptools, under uvloop when it is installed): the proxy's own cost
+on a request's first token is a fraction of a millisecond (``benchmarks/proxy_overhead.py``). Upstream answers
+are relayed as bytes (pull mode, the decode's order, errors, non-streamed answers); only the streamed first-token
+flow rewrites the decode's events.
 """
 
 from __future__ import annotations
@@ -25,65 +32,80 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
+import importlib
 import itertools
 import json
 import logging
 import os
+import signal
 import time
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-
-from . import trace
+from . import http11, trace
 from .firsttoken import (
+    DONE,
     FIRST_TOKEN,
-    continue_event,
+    MAX_EVENT_BYTES,
+    Continuation,
+    EventTooLarge,
+    SSESplitter,
     first_choice,
     first_chunk,
     first_token_decode_body,
     first_token_ineligible,
     first_token_prefill_body,
-    merge_response,
+    holdback,
     one_token_body,
     sse,
-    sse_events,
     usage_chunk,
 )
 
 log = logging.getLogger("kvtransport.proxy")
 
+__all__ = ["BACKOFF_MAX_S", "BACKOFF_MIN_S", "CONNECT_TIMEOUT_S", "DISCOVERY_TIMEOUT_S", "PROBE_TIMEOUT_S",
+           "REVALIDATE_AFTER_S", "Instance", "Proxy", "first_token_ineligible", "main"]
 
 CONNECT_TIMEOUT_S = 10.0
-"""Bound on connecting to an instance, sending a request and waiting for a pooled connection."""
+"""Bound on connecting to an instance."""
+DISCOVERY_TIMEOUT_S = 10.0
+"""Bound on the whole discovery of a prefill's side channel (its model name, the one-token request, its answer):
+a prefill that accepts and never answers fails the discovery (and leaves the rotation) within it."""
 REVALIDATE_AFTER_S = 5.0
 """A side-channel address cached longer than this is checked (TCP connect) before it is handed out."""
 PROBE_TIMEOUT_S = 1.0
 BACKOFF_MIN_S, BACKOFF_MAX_S = 1.0, 30.0
 """A failed prefill leaves the rotation this long (doubling per consecutive failure, capped)."""
+PREFILL_REAP_S = 60.0
+"""Push flow, the decode's order: how long the prefill's answer is awaited after the decode's answer ended (it
+refreshes the side-channel cache); then its request is closed."""
+APIS = ("/v1/completions", "/v1/chat/completions")
+FORWARDED = ("authorization", "x-request-id")
+"""Client headers passed on to the instances."""
+_JSON = "application/json"
 
 
-@dataclass
+@dataclass(eq=False)
 class Instance:
     """One vLLM server the proxy talks to."""
 
     url: str
-    client: httpx.AsyncClient
+    pool: http11.Pool
     side: dict[str, Any] | None = None
     side_checked: float = 0.0  # when ``side`` was learned or last found reachable (monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     failures: int = 0  # consecutive
     down_until: float = 0.0
+    failed_at: float = 0.0  # the last mark_down (monotonic)
 
     def mark_down(self, why: object) -> None:
         """This instance failed: forget its side channel, keep it out of the rotation for a bounded backoff."""
         self.failures += 1
         backoff = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** min(self.failures - 1, 16))
-        self.down_until = time.monotonic() + backoff
+        self.failed_at = time.monotonic()
+        self.down_until = self.failed_at + backoff
         self.side = None
         log.warning("instance %s failed (%s): out of rotation for %gs", self.url, why, backoff)
 
@@ -100,40 +122,76 @@ class Instance:
             self.side_checked = time.monotonic()
 
 
+class _Answer:
+    """An answer relayed to the client as it is: an instance's error (its status, bytes, content type) or the
+    proxy's own."""
+
+    __slots__ = ("body", "content_type", "status")
+
+    def __init__(self, status: int, body: bytes, content_type: str = _JSON) -> None:
+        self.status, self.body, self.content_type = status, body, content_type
+
+    def send(self, reply: http11.Reply) -> None:
+        reply.send(self.status, self.body, self.content_type)
+
+
+def _error(status: int, message: str) -> _Answer:
+    return _Answer(status, json.dumps({"error": message}).encode())
+
+
+class _AlreadyDown(Exception):
+    """The instance failed (and was marked down) while this request waited for its lock."""
+
+
 class Proxy:
-    """Round-robin P/D routing (see module docstring). One per process; used from the event loop only."""
+    """Round-robin P/D routing (see module docstring). One per process; used from the event loop only. Its
+    :meth:`__call__` is the :class:`http11.Server` handler (:meth:`serve`)."""
 
     def __init__(self, prefill: list[str], decode: list[str], mode: str = "push", timeout: float | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None, first_token: str = "prefill") -> None:
-        """``transport``: the httpx transport for every instance (tests pass fakes; default: the network).
-        ``first_token``: who answers a push-flow request's first token, ``"prefill"`` (Splitwise's order, the
-        default: see :func:`first_token_ineligible` for the requests that still take the decode's) or
-        ``"decode"`` (the decode recomputes the last prompt token and samples it, as vLLM's own P/D does)."""
+                 first_token: str = "prefill", *, max_body_bytes: int = http11.MAX_BODY_BYTES,
+                 discovery_timeout: float = DISCOVERY_TIMEOUT_S) -> None:
+        """``prefill`` / ``decode``: instance URLs (``http://host:port``). ``timeout``: seconds to wait for an
+        instance's answer head and for each of its next bytes (None: no bound, for long generations);
+        connecting is bounded by CONNECT_TIMEOUT_S and discovery by ``discovery_timeout``. ``first_token``: who
+        answers a push-flow request's first token, ``"prefill"`` (Splitwise's order, the default: see
+        :func:`first_token_ineligible` for the requests that still take the decode's) or ``"decode"`` (the decode
+        recomputes the last prompt token and samples it, as vLLM's own P/D does). ``max_body_bytes``: bound on a
+        client's request body (413 beyond) and on an instance's whole answer."""
         if first_token not in FIRST_TOKEN:
             raise ValueError(f"first_token must be one of {FIRST_TOKEN}, got {first_token!r}")
-        self.first_token = first_token
+        if mode not in ("push", "pull"):
+            raise ValueError(f"mode must be push or pull, got {mode!r}")
         if not prefill or not decode:
             raise ValueError("need at least one --prefill and one --decode URL")
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        # Connecting, writing and waiting for a pooled connection are always bounded (a dead or hung instance
-        # fails the request instead of holding it for ever); reading waits ``timeout`` (None: as long as a
-        # long generation takes).
-        bounds = httpx.Timeout(connect=CONNECT_TIMEOUT_S, write=CONNECT_TIMEOUT_S, pool=CONNECT_TIMEOUT_S, read=timeout)
+        self.first_token = first_token
+        self.mode = mode
+        self.timeout = timeout
+        self.max_body_bytes = max_body_bytes
+        self.discovery_timeout = discovery_timeout
 
         def mk(url: str) -> Instance:
             base = url.rstrip("/")
-            return Instance(base, httpx.AsyncClient(base_url=base, timeout=bounds, limits=limits, transport=transport))
+            return Instance(base, http11.Pool(base, connect_timeout=CONNECT_TIMEOUT_S, head_timeout=timeout,
+                                              read_timeout=timeout, max_body_bytes=max_body_bytes))
 
         self.prefill = [mk(u) for u in prefill]
         self.decode = [mk(u) for u in decode]
-        self.mode = mode
         self._p = itertools.cycle(range(len(self.prefill)))
         self._d = itertools.cycle(range(len(self.decode)))
         self._model: str | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    async def serve(self, host: str = "127.0.0.1", port: int = 0) -> http11.Server:
+        """Listen on ``host:port`` (port 0: any free port, ``server.port`` tells)."""
+        return await http11.Server(self, max_body_bytes=self.max_body_bytes).start(host, port)
 
     async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=5)
         for inst in self.prefill + self.decode:
-            await inst.client.aclose()
+            await inst.pool.close()
 
     def pick(self) -> tuple[Instance, Instance]:
         return self.pick_prefill(), self.decode[next(self._d)]
@@ -160,36 +218,55 @@ class Proxy:
             await writer.wait_closed()
         return True
 
+    async def _get(self, inst: Instance, path: str) -> http11.ClientResponse:
+        return await inst.pool.request("GET", path, head_timeout=self.discovery_timeout,
+                                       read_timeout=self.discovery_timeout)
+
     async def model_name(self, inst: Instance) -> str:
         if self._model is None:
-            r = await inst.client.get("/v1/models")
-            r.raise_for_status()
-            self._model = r.json()["data"][0]["id"]
+            r = await self._get(inst, "/v1/models")
+            raw = await r.read(1 << 20)
+            if r.status != 200:
+                raise RuntimeError(f"{inst.url}/v1/models answered HTTP {r.status}")
+            self._model = str(json.loads(raw)["data"][0]["id"])
         return self._model
 
-    async def discover(self, inst: Instance, headers: dict[str, str]) -> dict[str, Any]:
+    async def discover(self, inst: Instance, headers: list[tuple[str, str]]) -> dict[str, Any]:
         """The prefill engine's side-channel address (cached, re-validated when older than REVALIDATE_AFTER_S;
-        a one-token request when unknown). Raises httpx.HTTPError or RuntimeError; the caller marks it down."""
+        a one-token request when unknown, bounded by ``discovery_timeout`` as a whole). Raises http11.HTTPError,
+        TimeoutError, RuntimeError, KeyError or ValueError; the caller marks the instance down."""
+        side = inst.side
+        if side is not None and time.monotonic() - inst.side_checked <= REVALIDATE_AFTER_S:
+            return side
+        asked = time.monotonic()
         async with inst.lock:
-            if inst.side is not None and time.monotonic() - inst.side_checked > REVALIDATE_AFTER_S:
-                if await self.reachable(inst.side):
-                    inst.side_checked = time.monotonic()
-                else:
-                    log.info("prefill %s: side channel %s:%s unreachable; asking it again", inst.url,
-                             inst.side["kvt_host"], inst.side["kvt_port"])
-                    inst.side = None
-            if inst.side is None:
-                body = {"model": await self.model_name(inst), "prompt": [1], "max_tokens": 1, "temperature": 0,
-                        "kv_transfer_params": {"do_remote_decode": True, "kvt_discover": True}}
-                r = await inst.client.post("/v1/completions", json=body, headers=headers)
-                r.raise_for_status()
-                params = r.json().get("kv_transfer_params") or {}
-                if "kvt_port" not in params:
-                    raise RuntimeError(f"{inst.url} did not answer the discovery request: is it a kv_producer "
-                                       "running KVTransportConnector?")
-                inst.side, inst.side_checked = params, time.monotonic()
-                log.info("prefill %s: side channel %s:%s (engine %s)", inst.url, params["kvt_host"],
-                         params["kvt_port"], params["kvt_engine_id"])
+            if inst.side is None and inst.failed_at >= asked:
+                raise _AlreadyDown(inst.url)
+            async with asyncio.timeout(self.discovery_timeout):
+                if inst.side is not None and time.monotonic() - inst.side_checked > REVALIDATE_AFTER_S:
+                    if await self.reachable(inst.side):
+                        inst.side_checked = time.monotonic()
+                    else:
+                        log.info("prefill %s: side channel %s:%s unreachable; asking it again", inst.url,
+                                 inst.side["kvt_host"], inst.side["kvt_port"])
+                        inst.side = None
+                if inst.side is None:
+                    body = {"model": await self.model_name(inst), "prompt": [1], "max_tokens": 1, "temperature": 0,
+                            "kv_transfer_params": {"do_remote_decode": True, "kvt_discover": True}}
+                    r = await inst.pool.request("POST", "/v1/completions", json.dumps(body).encode(), headers,
+                                                head_timeout=self.discovery_timeout,
+                                                read_timeout=self.discovery_timeout)
+                    raw = await r.read(1 << 20)
+                    if r.status != 200:
+                        raise RuntimeError(f"discovery answered HTTP {r.status}: {raw[:200]!r}")
+                    params = json.loads(raw).get("kv_transfer_params") or {}
+                    if "kvt_port" not in params:
+                        raise RuntimeError(f"{inst.url} did not answer the discovery request: is it a kv_producer "
+                                           "running KVTransportConnector?")
+                    inst.side, inst.side_checked = params, time.monotonic()
+                    log.info("prefill %s: side channel %s:%s (engine %s)", inst.url, params["kvt_host"],
+                             params["kvt_port"], params["kvt_engine_id"])
+            assert inst.side is not None
             return inst.side
 
     @staticmethod
@@ -203,64 +280,6 @@ class Proxy:
             out.pop(k, None)
         return out
 
-    async def handle(self, api: str, request: Request) -> Response:
-        body = await request.json()
-        xfer = uuid.uuid4().hex
-        trace.event("proxy.recv", xfer)
-        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "x-request-id")}
-        p, d = self.pick()
-        n = int(body.get("n") or 1)
-        if self.mode == "push" and self.first_token == "prefill":
-            why_not = first_token_ineligible(body)
-            if why_not == "max_tokens=1":  # the prefill's one token is the whole answer: no decode leg
-                return await self._single(p, api, body, headers)
-            if why_not is None:
-                return await self._first_from_prefill(p, d, api, body, headers, xfer)
-        prefill_task: asyncio.Task[Any] | None = None
-        if self.mode == "push":
-            side = await self._side_channel(p, headers)
-            if isinstance(side, Response):
-                return side
-            p, side = side
-            pbody = self.prefill_body(body, {"do_remote_decode": True, "do_remote_prefill": False,
-                                             "kvt_xfer": xfer, "kvt_fanout": n})
-            dbody = dict(body)
-            dbody["kv_transfer_params"] = self.decode_params(xfer, side)
-            prefill_task = asyncio.create_task(self._prefill(p, api, pbody, headers))
-        else:
-            # kvt_fanout: the decode request's n children each pull; the prefill keeps its blocks for all of
-            # them (without it, a second child could find the source already released)
-            pbody = self.prefill_body(body, {"do_remote_decode": True, "do_remote_prefill": False,
-                                             "remote_engine_id": None, "remote_block_ids": None,
-                                             "remote_host": None, "remote_port": None, "kvt_fanout": n})
-            presp = await self._prefill(p, api, pbody, headers)
-            if isinstance(presp, Response):
-                return presp
-            dbody = dict(body)
-            if presp.get("kv_transfer_params"):
-                dbody["kv_transfer_params"] = presp["kv_transfer_params"]
-        req = d.client.build_request("POST", api, json=dbody, headers=headers)
-        trace.event("proxy.sent", xfer)
-        resp = await d.client.send(req, stream=True)
-
-        async def relay() -> AsyncIterator[bytes]:
-            first = True
-            try:
-                async for chunk in resp.aiter_raw():
-                    if first:
-                        trace.event("proxy.decode_first", xfer)
-                        trace.event("proxy.first_out", xfer)
-                        first = False
-                    yield chunk
-            finally:
-                await resp.aclose()
-                if prefill_task is not None:
-                    with contextlib.suppress(Exception):
-                        await asyncio.wait_for(prefill_task, timeout=60)
-
-        return StreamingResponse(relay(), status_code=resp.status_code,
-                                 media_type=resp.headers.get("content-type", "application/json"))
-
     @staticmethod
     def decode_params(xfer: str, side: dict[str, Any], first_token: bool = False) -> dict[str, Any]:
         """The decode leg's ``kv_transfer_params`` of the push flow (the prefill engine's side channel)."""
@@ -271,183 +290,399 @@ class Proxy:
             params["kvt_first_token"] = True
         return params
 
-    async def _side_channel(self, p: Instance, headers: dict[str, str]
-                            ) -> tuple[Instance, dict[str, Any]] | Response:
-        """A live prefill (``p`` or the next in rotation) and its side channel, or a 503 when none answers."""
+    # ------------------------------------------------------------------------------------------- serving
+    async def __call__(self, request: http11.Request, reply: http11.Reply) -> None:
+        path = request.path
+        if path in APIS:
+            if request.method != "POST":
+                _error(405, f"{path} takes POST").send(reply)
+                return
+            await self.handle(path, request, reply)
+        elif path == "/v1/models" and request.method == "GET":
+            await self._models(reply)
+        elif path == "/health" and request.method == "GET":
+            reply.send(200, json.dumps({"status": "ok", "mode": self.mode, "prefill": [i.url for i in self.prefill],
+                                        "decode": [i.url for i in self.decode]}).encode())
+        else:
+            _error(404, f"no route {request.method} {path}").send(reply)
+
+    async def _models(self, reply: http11.Reply) -> None:
+        d = self.decode[0]
+        try:
+            r = await self._get(d, "/v1/models")
+            raw = await r.read()
+        except (http11.HTTPError, TimeoutError) as exc:
+            _error(502, f"decode instance {d.url} failed: {exc}").send(reply)
+            return
+        reply.send(r.status, raw, r.headers.get("content-type", _JSON))
+
+    async def handle(self, api: str, request: http11.Request, reply: http11.Reply) -> None:
+        try:
+            body = json.loads(request.body)
+        except ValueError as exc:
+            _error(400, f"the request body is not JSON: {exc}").send(reply)
+            return
+        if not isinstance(body, dict):
+            _error(400, "the request body is not a JSON object").send(reply)
+            return
+        try:
+            n = int(body.get("n") or 1)
+            why_not = first_token_ineligible(body) if self.mode == "push" and self.first_token == "prefill" else None
+        except (TypeError, ValueError) as exc:
+            _error(400, f"invalid request: {exc}").send(reply)
+            return
+        xfer = os.urandom(16).hex()
+        trace.event("proxy.recv", xfer)
+        hdrs = request.headers
+        headers = [("content-type", _JSON), *((k, hdrs[k]) for k in FORWARDED if k in hdrs)]
+        p, d = self.pick()
+        if self.mode == "push" and self.first_token == "prefill":
+            if why_not == "max_tokens=1":  # the prefill's one token is the whole answer: no decode leg
+                await self._single(p, api, request.body, headers, reply)
+                return
+            if why_not is None:
+                await self._first_from_prefill(p, d, api, body, headers, xfer, reply)
+                return
+        if self.mode == "push":
+            await self._push(p, d, api, body, n, headers, xfer, reply)
+        else:
+            await self._pull(p, d, api, body, n, headers, xfer, reply)
+
+    async def _side_channel(self, p: Instance, headers: list[tuple[str, str]], reply: http11.Reply
+                            ) -> tuple[Instance, dict[str, Any]] | None:
+        """A live prefill (``p`` or the next in rotation) and its side channel; None (a 503 sent) when none
+        answers."""
         for attempt in range(len(self.prefill)):
             if attempt:
                 p = self.pick_prefill()
             try:
                 return p, await self.discover(p, headers)
-            except (httpx.HTTPError, RuntimeError, KeyError, ValueError) as exc:
-                p.mark_down(exc)
-        return JSONResponse({"error": "no prefill instance reachable: " + ", ".join(i.url for i in self.prefill)},
-                            status_code=503)
+            except _AlreadyDown:
+                continue
+            except (http11.HTTPError, TimeoutError, RuntimeError, KeyError, IndexError, TypeError,
+                    ValueError) as exc:
+                p.mark_down(exc if str(exc) else type(exc).__name__)
+        _error(503, "no prefill instance reachable: " + ", ".join(i.url for i in self.prefill)).send(reply)
+        return None
 
-    async def _single(self, p: Instance, api: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
-        """A request the prefill answers alone (one token): sent to it as a plain request, relayed as is."""
-        req = p.client.build_request("POST", api, json=body, headers=headers)
+    async def _open(self, inst: Instance, api: str, body: bytes, headers: list[tuple[str, str]]
+                    ) -> http11.ClientResponse | _Answer:
+        """A prefill leg, written now; a connect failure marks the prefill down."""
         try:
-            resp = await p.client.send(req, stream=True)
-        except httpx.HTTPError as exc:
-            p.mark_down(exc)
-            return JSONResponse({"error": f"prefill instance {p.url} failed: {exc}"}, status_code=502)
-        return _relay_as_is(resp)
-
-    async def _first_from_prefill(self, p: Instance, d: Instance, api: str, body: dict[str, Any],
-                                  headers: dict[str, str], xfer: str) -> Response:
-        """Splitwise's order: both legs start at once (the decode allocates and receives the KV layer by layer);
-        the client gets the first token from the prefill as soon as it is sampled, then the decode's tokens,
-        which continue from that token (the prefill hands it to the decode engine with the KV)."""
-        side = await self._side_channel(p, headers)
-        if isinstance(side, Response):
-            return side
-        p, side = side
-        pbody = first_token_prefill_body(body, {"do_remote_decode": True, "do_remote_prefill": False,
-                                                "kvt_xfer": xfer, "kvt_fanout": 1, "kvt_first_token": True})
-        dbody = first_token_decode_body(body, self.decode_params(xfer, side, first_token=True))
-        dreq = d.client.build_request("POST", api, json=dbody, headers=headers)
-        decode_task = asyncio.create_task(d.client.send(dreq, stream=True))
-        prefill_task = asyncio.create_task(self._prefill(p, api, pbody, headers))
-        trace.event("proxy.sent", xfer)
-        chat = api.endswith("/chat/completions")
-
-        async def decode_response() -> httpx.Response | None:
-            try:
-                return await decode_task
-            except httpx.HTTPError as exc:
-                log.error("decode %s failed: %s", d.url, exc)
-                return None
-
-        async def cancel_decode() -> None:
-            if not decode_task.done():
-                decode_task.cancel()
-            with contextlib.suppress(BaseException):
-                resp = await decode_task
-                await resp.aclose()  # closing the stream aborts the decode request
-
-        try:
-            presp = await prefill_task
-        except BaseException:  # the client went away: so does the decode leg
-            await cancel_decode()
-            raise
-        trace.event("proxy.prefill_done", xfer)
-        first = first_choice(presp)
-        if first is None:  # the prefill failed: the decode takes the failure path; relay its answer
-            resp = await decode_response()
-            if resp is None:
-                return presp if isinstance(presp, Response) else JSONResponse(
-                    {"error": f"prefill {p.url} and decode {d.url} failed"}, status_code=502)
-            return _relay_as_is(resp)
-        finished = first.get("finish_reason") == "stop"
-        if not body.get("stream"):
-            try:
-                if finished:
-                    trace.event("proxy.first_out", xfer)
-                    presp.pop("kv_transfer_params", None)
-                    return JSONResponse(presp)
-                resp = await decode_response()
-                if resp is None:
-                    return JSONResponse({"error": f"decode instance {d.url} failed"}, status_code=502)
-                raw = await resp.aread()
-                trace.event("proxy.decode_first", xfer)
-                trace.event("proxy.first_out", xfer)
-                if resp.status_code != 200:
-                    return Response(raw, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
-                return JSONResponse(merge_response(presp, json.loads(raw), chat))
-            finally:
-                await cancel_decode()  # closes the decode's stream whatever happened (idempotent)
-
-        async def stream() -> AsyncIterator[bytes]:
-            try:
-                yield sse(first_chunk(presp, chat, finished=finished))
-                trace.event("proxy.first_out", xfer)
-                if finished:
-                    await cancel_decode()
-                    if (body.get("stream_options") or {}).get("include_usage"):
-                        yield sse(usage_chunk(presp, chat))
-                    yield b"data: [DONE]\n\n"
-                    return
-                resp = await decode_response()
-                if resp is None:
-                    yield sse({"error": {"message": f"decode instance {d.url} failed", "code": 502}})
-                    yield b"data: [DONE]\n\n"
-                    return
-                seen = False
-                async for event in sse_events(resp.aiter_raw()):
-                    if not seen:
-                        trace.event("proxy.decode_first", xfer)
-                        seen = True
-                    out = continue_event(event, presp, chat)
-                    if out is not None:
-                        yield out
-            finally:
-                await cancel_decode()  # the client may have gone: the decode leg ends with the stream
-
-        return StreamingResponse(stream(), status_code=200, media_type="text/event-stream")
-
-    async def _prefill(self, inst: Instance, api: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
-        try:
-            r = await inst.client.post(api, json=body, headers=headers)
-        except httpx.HTTPError as exc:
+            return await inst.pool.open("POST", api, body, headers)
+        except http11.HTTPError as exc:
             log.error("prefill %s failed: %s", inst.url, exc)
             inst.mark_down(exc)
-            return JSONResponse({"error": f"prefill instance {inst.url} failed: {exc}"}, status_code=502)
-        if r.status_code != 200:
-            log.error("prefill %s answered %d: %s", inst.url, r.status_code, r.text[:500])
-            if r.status_code >= 500:
-                inst.mark_down(f"HTTP {r.status_code}")
-            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
-        out = r.json()
-        inst.learn(out.get("kv_transfer_params") if isinstance(out, dict) else None)
+            return _error(502, f"prefill instance {inst.url} failed: {exc}")
+
+    async def _prefill_answer(self, inst: Instance, leg: http11.ClientResponse | _Answer) -> dict[str, Any] | _Answer:
+        """The prefill's answer (parsed; its side channel learned) or, when it failed, what to relay."""
+        if isinstance(leg, _Answer):
+            return leg
+        try:
+            await leg.head()
+            raw = await leg.read(self.max_body_bytes)
+        except http11.HTTPError as exc:
+            log.error("prefill %s failed: %s", inst.url, exc)
+            inst.mark_down(exc)
+            return _error(502, f"prefill instance {inst.url} failed: {exc}")
+        finally:
+            leg.close()
+        if leg.status != 200:
+            log.error("prefill %s answered %d: %s", inst.url, leg.status, raw[:500].decode(errors="replace"))
+            if leg.status >= 500:
+                inst.mark_down(f"HTTP {leg.status}")
+            return _Answer(leg.status, raw, leg.headers.get("content-type", _JSON))
+        try:
+            out = json.loads(raw)
+        except ValueError:
+            out = None
+        if not isinstance(out, dict):
+            log.error("prefill %s answered something that is not a JSON object: %r", inst.url, raw[:200])
+            return _error(502, f"prefill instance {inst.url} answered something that is not a JSON object")
+        params = out.get("kv_transfer_params")
+        inst.learn(params if isinstance(params, dict) else None)
         return out
 
-
-def _relay_as_is(resp: httpx.Response) -> Response:
-    async def relay() -> AsyncIterator[bytes]:
+    async def _open_decode(self, d: Instance, api: str, body: bytes, headers: list[tuple[str, str]]
+                           ) -> http11.ClientResponse | None:
         try:
-            async for chunk in resp.aiter_raw():
-                yield chunk
+            return await d.pool.open("POST", api, body, headers)
+        except http11.HTTPError as exc:
+            log.error("decode %s failed: %s", d.url, exc)
+            return None
+
+    async def _relay(self, resp: http11.ClientResponse, reply: http11.Reply, xfer: str | None = None,
+                     who: str = "decode") -> None:
+        """An instance's answer to the client as it is (status, content type, bytes): whole when it came with a
+        content-length, else streamed chunk by chunk. ``xfer``: trace its first bytes."""
+        try:
+            await resp.head()
+            ctype = resp.headers.get("content-type", _JSON)
+            if "content-length" in resp.headers:
+                raw = await resp.read(self.max_body_bytes)
+                if xfer is not None:
+                    trace.event("proxy.decode_first", xfer)
+                    trace.event("proxy.first_out", xfer)
+                reply.send(resp.status, raw, ctype)
+                return
+        except http11.HTTPError as exc:
+            log.error("%s %s failed: %s", who, resp.pool.url, exc)
+            _error(502, f"{who} instance {resp.pool.url} failed: {exc}").send(reply)
+            return
+        started = False
+        try:
+            async for chunk in resp:
+                if not started:
+                    reply.start(resp.status, ctype)
+                    started = True
+                    if xfer is not None:
+                        trace.event("proxy.decode_first", xfer)
+                await reply.write(chunk)
+                if xfer is not None and started:
+                    trace.event("proxy.first_out", xfer)
+                    xfer = None
+        except http11.ClientDisconnected:
+            raise
+        except http11.HTTPError as exc:
+            log.error("%s %s failed: %s", who, resp.pool.url, exc)
+            if not started:
+                _error(502, f"{who} instance {resp.pool.url} failed: {exc}").send(reply)
+            else:
+                reply.abort()  # the client sees a truncated answer
+            return
+        if not started:
+            reply.start(resp.status, ctype)
+        reply.end()
+
+    async def _single(self, p: Instance, api: str, raw: bytes, headers: list[tuple[str, str]],
+                      reply: http11.Reply) -> None:
+        """A request the prefill answers alone (one token): the client's bytes to it, its answer back as is."""
+        leg = await self._open(p, api, raw, headers)
+        if isinstance(leg, _Answer):
+            leg.send(reply)
+            return
+        try:
+            await self._relay(leg, reply, who="prefill")
         finally:
-            await resp.aclose()
+            leg.close()
 
-    return StreamingResponse(relay(), status_code=resp.status_code,
-                             media_type=resp.headers.get("content-type", "application/json"))
+    async def _push(self, p: Instance, d: Instance, api: str, body: dict[str, Any], n: int,
+                    headers: list[tuple[str, str]], xfer: str, reply: http11.Reply) -> None:
+        """The push flow in the decode's order: both legs at once, the decode's answer relayed as is."""
+        found = await self._side_channel(p, headers, reply)
+        if found is None:
+            return
+        p, side = found
+        pbody = self.prefill_body(body, {"do_remote_decode": True, "do_remote_prefill": False, "kvt_xfer": xfer,
+                                         "kvt_fanout": n})
+        dbody = dict(body)
+        dbody["kv_transfer_params"] = self.decode_params(xfer, side)
+        leg = await self._open(p, api, json.dumps(pbody).encode(), headers)
+        prefill = asyncio.ensure_future(self._prefill_answer(p, leg))
+        dresp = None
+        try:
+            dresp = await self._open_decode(d, api, json.dumps(dbody).encode(), headers)
+            trace.event("proxy.sent", xfer)
+            if dresp is None:
+                _error(502, f"decode instance {d.url} failed").send(reply)
+            else:
+                await self._relay(dresp, reply, xfer)
+        except BaseException:
+            prefill.cancel()  # the client went away: so does the prefill leg
+            _close(leg)
+            raise
+        finally:
+            _close(dresp)
+        self._reap(prefill)
+
+    def _reap(self, task: asyncio.Future[Any]) -> None:
+        """Let ``task`` (a prefill leg whose answer only refreshes the cache) finish in the background, at most
+        PREFILL_REAP_S (then its request is closed)."""
+        if task.done():
+            return
+        reaper = asyncio.ensure_future(asyncio.wait_for(task, PREFILL_REAP_S))
+        self._background.add(reaper)
+
+        def done(t: asyncio.Future[Any]) -> None:
+            self._background.discard(t)
+            if not t.cancelled():
+                t.exception()  # retrieved: a timeout here is not an error
+
+        reaper.add_done_callback(done)
+
+    async def _pull(self, p: Instance, d: Instance, api: str, body: dict[str, Any], n: int,
+                    headers: list[tuple[str, str]], xfer: str, reply: http11.Reply) -> None:
+        """vLLM's toy-proxy order: the prefill first; its ``kv_transfer_params`` to the decode, whose answer is
+        relayed as is."""
+        # kvt_fanout: the decode request's n children each pull; the prefill keeps its blocks for all of them
+        # (without it, a second child could find the source already released)
+        pbody = self.prefill_body(body, {"do_remote_decode": True, "do_remote_prefill": False,
+                                         "remote_engine_id": None, "remote_block_ids": None,
+                                         "remote_host": None, "remote_port": None, "kvt_fanout": n})
+        presp = await self._prefill_answer(p, await self._open(p, api, json.dumps(pbody).encode(), headers))
+        if isinstance(presp, _Answer):
+            presp.send(reply)
+            return
+        dbody = dict(body)
+        if presp.get("kv_transfer_params"):
+            dbody["kv_transfer_params"] = presp["kv_transfer_params"]
+        dresp = await self._open_decode(d, api, json.dumps(dbody).encode(), headers)
+        trace.event("proxy.sent", xfer)
+        if dresp is None:
+            _error(502, f"decode instance {d.url} failed").send(reply)
+            return
+        try:
+            await self._relay(dresp, reply, xfer)
+        finally:
+            dresp.close()
+
+    async def _first_from_prefill(self, p: Instance, d: Instance, api: str, body: dict[str, Any],
+                                  headers: list[tuple[str, str]], xfer: str, reply: http11.Reply) -> None:
+        """Splitwise's order: both legs start at once (the decode allocates and receives the KV layer by layer);
+        the client gets the first token from the prefill as soon as it is sampled, then the decode's answer,
+        which includes that token (the prefill hands it to the decode engine with the KV)."""
+        found = await self._side_channel(p, headers, reply)
+        if found is None:
+            return
+        p, side = found
+        pbody = first_token_prefill_body(body, {"do_remote_decode": True, "do_remote_prefill": False,
+                                                "kvt_xfer": xfer, "kvt_fanout": 1, "kvt_first_token": True})
+        chat = api == "/v1/chat/completions"
+        leg: http11.ClientResponse | _Answer | None = None
+        dresp = None
+        try:
+            # the prefill leg first (the first token's path), the decode leg right behind it
+            leg = await self._open(p, api, json.dumps(pbody).encode(), headers)
+            dbody = first_token_decode_body(body, self.decode_params(xfer, side, first_token=True))
+            dresp = await self._open_decode(d, api, json.dumps(dbody).encode(), headers)
+            trace.event("proxy.sent", xfer)
+            presp = await self._prefill_answer(p, leg)
+            trace.event("proxy.prefill_done", xfer)
+            first = first_choice(presp)
+            if first is None:  # the prefill failed: the decode takes the failure path; relay its answer
+                if dresp is not None:
+                    await self._relay(dresp, reply, xfer)
+                elif isinstance(presp, _Answer):
+                    presp.send(reply)
+                else:
+                    _error(502, f"prefill {p.url} and decode {d.url} failed").send(reply)
+                return
+            assert isinstance(presp, dict)
+            finished = first.get("finish_reason") == "stop"
+            if not body.get("stream"):
+                if finished:  # the prefill's token is the whole answer
+                    _close(dresp)
+                    presp.pop("kv_transfer_params", None)
+                    reply.send(200, json.dumps(presp).encode())
+                    trace.event("proxy.first_out", xfer)
+                elif dresp is None:
+                    _error(502, f"decode instance {d.url} failed").send(reply)
+                else:  # the decode's answer includes the first token: as it is
+                    await self._relay(dresp, reply, xfer)
+                return
+            await self._stream_first(presp, dresp, d, body, chat, finished, xfer, reply)
+        finally:  # whatever happened (the client may have gone): both legs end here
+            _close(leg)
+            _close(dresp)
+
+    async def _stream_first(self, presp: dict[str, Any], dresp: http11.ClientResponse | None, d: Instance,
+                            body: dict[str, Any], chat: bool, finished: bool, xfer: str,
+                            reply: http11.Reply) -> None:
+        event, emitted = first_chunk(presp, chat, finished, holdback(body))
+        reply.start(200, "text/event-stream")
+        if finished:
+            _close(dresp)
+            out = sse(event)
+            if (body.get("stream_options") or {}).get("include_usage"):
+                out += sse(usage_chunk(presp, chat))
+            await reply.write(out + DONE)
+            trace.event("proxy.first_out", xfer)
+            reply.end()
+            return
+        await reply.write(sse(event))
+        trace.event("proxy.first_out", xfer)
+        if dresp is None:
+            await reply.write(sse({"error": {"message": f"decode instance {d.url} failed", "code": 502}}) + DONE)
+            reply.end()
+            return
+        cont = Continuation(presp, chat, emitted, f"decode {d.url}")
+        split = SSESplitter(MAX_EVENT_BYTES)
+        try:
+            await dresp.head()
+            if dresp.status != 200:
+                raw = await dresp.read(1 << 20)
+                log.error("decode %s answered %d: %s", d.url, dresp.status, raw[:500].decode(errors="replace"))
+                try:
+                    err = json.loads(raw)
+                except ValueError:
+                    err = None
+                if not (isinstance(err, dict) and "error" in err):
+                    err = {"error": {"message": raw[:2000].decode(errors="replace"), "code": dresp.status}}
+                await reply.write(sse(err) + DONE)
+                reply.end()
+                return
+            seen = False
+            async for chunk in dresp:
+                if not seen:
+                    trace.event("proxy.decode_first", xfer)
+                    seen = True
+                events = [x for e in split.feed(chunk) if (x := cont.event(e)) is not None]
+                if events:
+                    await reply.write(events[0] if len(events) == 1 else b"".join(events))
+            rest = split.tail()
+            last = cont.event(rest) if rest is not None else None
+            if last is not None:
+                await reply.write(last)
+        except http11.ClientDisconnected:
+            raise
+        except (http11.HTTPError, EventTooLarge) as exc:
+            log.error("decode %s failed: %s", d.url, exc)
+            await reply.write(sse({"error": {"message": f"decode instance {d.url} failed: {exc}", "code": 502}})
+                              + DONE)
+        reply.end()
 
 
-def build_app(proxy: Proxy) -> FastAPI:
-    """The FastAPI application serving ``proxy``."""
+def _close(resp: http11.ClientResponse | _Answer | None) -> None:
+    """Close a leg (idempotent): a response not read to its end closes its connection, which aborts the
+    request on the instance."""
+    if isinstance(resp, http11.ClientResponse):
+        resp.close()
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop when it is installed (the proxy is faster on it), else asyncio's."""
+    try:
+        factory: Callable[[], asyncio.AbstractEventLoop] = importlib.import_module("uvloop").new_event_loop
+    except ImportError:
+        return None
+    return factory
+
+
+async def _serve(args: argparse.Namespace, uvloop: bool) -> None:
+    proxy = Proxy(args.prefill, args.decode, mode=args.mode, timeout=args.timeout, first_token=args.first_token,
+                  max_body_bytes=args.max_body_bytes)
+    server = await proxy.serve(args.host, args.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("kvtransport-proxy on http://%s:%d: %s mode, first token from the %s, prefill %s, decode %s%s",
+             args.host, server.port, proxy.mode, proxy.first_token, [i.url for i in proxy.prefill],
+             [i.url for i in proxy.decode], " (uvloop)" if uvloop else "")
+    # what start-up allocated is never garbage: keep it out of the collector's passes (shorter pauses, p99)
+    gc.collect()
+    gc.freeze()
+    try:
+        await stop.wait()
+    finally:
+        log.info("kvtransport-proxy: stopping")
+        await server.aclose()
         await proxy.close()
-
-    app = FastAPI(lifespan=lifespan)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await proxy.handle("/v1/completions", request)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await proxy.handle("/v1/chat/completions", request)
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        r = await proxy.decode[0].client.get("/v1/models")
-        return Response(r.content, status_code=r.status_code, media_type="application/json")
-
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "mode": proxy.mode, "prefill": [i.url for i in proxy.prefill],
-                "decode": [i.url for i in proxy.decode]}
-
-    return app
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="kvtransport-proxy", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="kvtransport-proxy", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--prefill", nargs="+", required=True, help="prefill instance URLs (http://host:port)")
     ap.add_argument("--decode", nargs="+", required=True, help="decode instance URLs")
     ap.add_argument("--host", default="127.0.0.1")
@@ -455,21 +690,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mode", choices=("push", "pull"), default="push")
     ap.add_argument("--first-token", choices=FIRST_TOKEN, default="prefill",
                     help="push mode: who answers the first token. prefill (default, Splitwise's order): the client "
-                         "gets it as soon as the prefill sampled it and the decode continues from it; decode: the "
-                         "decode recomputes the last prompt token and samples the first token itself")
+                         "gets it as soon as the prefill sampled it, then the decode's answer, which includes it; "
+                         "decode: the decode recomputes the last prompt token and samples the first token itself")
     ap.add_argument("--trace", metavar="DIR", default=None,
                     help=f"record per-request milestones under DIR (as {trace.ENV} does for the vLLM instances)")
     ap.add_argument("--timeout", type=float, default=None,
-                    help="seconds to wait for a response's next bytes (default: no bound, for long generations); "
-                         f"connecting, sending and pool waits are always bounded ({CONNECT_TIMEOUT_S:g} s)")
+                    help="seconds to wait for an instance's answer and for each of its next bytes (default: no "
+                         f"bound, for long generations); connecting is always bounded ({CONNECT_TIMEOUT_S:g} s), "
+                         f"and so is the discovery of a prefill's side channel ({DISCOVERY_TIMEOUT_S:g} s)")
+    ap.add_argument("--max-body-bytes", type=int, default=http11.MAX_BODY_BYTES,
+                    help="largest request body accepted (413 beyond) and largest whole answer read from an "
+                         f"instance (default {http11.MAX_BODY_BYTES})")
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    import uvicorn
-
     trace.configure(args.trace or os.environ.get(trace.ENV), "proxy")
-    proxy = Proxy(args.prefill, args.decode, mode=args.mode, timeout=args.timeout, first_token=args.first_token)
-    uvicorn.run(build_app(proxy), host=args.host, port=args.port, log_level=args.log_level)
+    factory = _loop_factory()
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(_serve(args, factory is not None))
 
 
 if __name__ == "__main__":
