@@ -63,17 +63,17 @@ LLAMA_31_8B = {  # meta-llama/Llama-3.1-8B config.json (published)
 }
 
 SETTINGS = [  # (name, input tokens, output tokens, prompts, max concurrency)
-    ("2k-c1", 2048, 64, 20, 1),
-    ("8k-c1", 8192, 64, 10, 1),
+    ("2k-c1", 2048, 64, 40, 1),  # 40 prompts: a p50 the target (3% of ~57 ms) can be read from
+    ("8k-c1", 8192, 64, 16, 1),
     ("2k-c4", 2048, 64, 32, 4),
 ]
 
 KVT_METRICS = {  # Prometheus name -> key (summed over label sets)
     "vllm:kvtransport_transfer_seconds_sum": "hold_s_sum", "vllm:kvtransport_transfer_seconds_count": "hold_n",
-    "vllm:kvtransport_dst_wait_seconds_sum": "dst_wait_s_sum", "vllm:kvtransport_dst_wait_seconds_count": "dst_wait_n",
     "vllm:kvtransport_transfers_layerwise_total": "layerwise", "vllm:kvtransport_transfers_whole_total": "whole",
     "vllm:kvtransport_transfers_received_total": "received", "vllm:kvtransport_transfer_failures_total": "failures",
-    "vllm:kvtransport_dst_wait_timeouts_total": "dst_wait_timeouts",
+    "vllm:kvtransport_dst_bound_before_total": "bound_before", "vllm:kvtransport_dst_bound_during_total": "bound_during",
+    "vllm:kvtransport_dst_bound_after_total": "bound_after",
     "vllm:kvtransport_bytes_received_total": "bytes_received",
     "vllm:nixl_xfer_time_seconds_sum": "nixl_xfer_s_sum", "vllm:nixl_xfer_time_seconds_count": "nixl_xfer_n",
     "vllm:nixl_post_time_seconds_sum": "nixl_post_s_sum",
@@ -399,6 +399,8 @@ SEGMENTS = [  # (name, from milestone, to milestone): where a P/D request's time
     ("signal_after_finish", "p.finished", "p.signal"),
     ("landed_after_signal", "p.signal", "d.landed"),
     ("first_token_to_decode", "p.finished", "d.first"),
+    ("dst_to_worker", "d.alloc", "w.bind"),
+    ("dst_to_scheduler", "d.alloc", "p.dst"),
     ("decode_answer", "d.reported", "proxy.decode_first"),
     ("second_token_after_first", "proxy.first_out", "proxy.decode_first"),
 ]
@@ -415,26 +417,26 @@ def load_trace(directory: Path) -> list[dict[str, Any]]:
 
 def breakdown(rows: list[dict[str, Any]], t0: float, t1: float) -> dict[str, Any]:
     """Median milliseconds of each SEGMENTS segment over the requests traced in ``[t0, t1]``, keyed by the
-    proxy's transfer id (decode-side milestones keyed by the decode request are mapped through ``d.alloc``).
-    Also the admission wait the prefill reported (``p.dst`` ``wait``) and how many requests had each segment."""
+    proxy's transfer id (decode-side milestones keyed by the decode request are mapped through ``d.alloc``),
+    how many requests had each segment, and when the prefill workers bound the destinations (``w.bind``
+    ``phase``: before / during / after the forward; counts)."""
     seq_to_xfer = {r["seq"]: r["key"] for r in rows if r.get("ev") in ("d.alloc", "d.new") and "seq" in r}
     first: dict[str, dict[str, float]] = {}
-    waits: list[float] = []
+    phases: dict[str, int] = {}
     for r in rows:
         if not t0 <= r["t"] <= t1:
             continue
         key = seq_to_xfer.get(r["key"], r["key"]) if r["ev"] in ("p.signal", "d.landed", "d.reported") else r["key"]
         first.setdefault(key, {}).setdefault(r["ev"], r["t"])
-        if r["ev"] == "p.dst" and isinstance(r.get("wait"), (int, float)):
-            waits.append(float(r["wait"]))
+        if r["ev"] == "w.bind" and isinstance(r.get("phase"), str):
+            phases[r["phase"]] = phases.get(r["phase"], 0) + 1
     out: dict[str, Any] = {}
     for name, a, b in SEGMENTS:
         vals = sorted(1000 * (m[b] - m[a]) for m in first.values() if a in m and b in m)
         if vals:
             out[name] = {"p50_ms": round(vals[len(vals) // 2], 3), "n": len(vals)}
-    if waits:
-        waits.sort()
-        out["dst_wait"] = {"p50_ms": round(1000 * waits[len(waits) // 2], 3), "n": len(waits)}
+    if phases:
+        out["bound"] = dict(sorted(phases.items()))
     return out
 
 
@@ -467,8 +469,9 @@ def summarize(files: list[Path]) -> list[dict[str, Any]]:
                     "transfer_ms": (round(1000 * conn["hold_s_sum"] / conn["hold_n"], 2) if conn.get("hold_n")
                                     else round(1000 * conn["nixl_xfer_s_sum"] / conn["nixl_xfer_n"], 2)
                                     if conn.get("nixl_xfer_n") else None),
-                    "dst_wait_ms": (round(1000 * conn["dst_wait_s_sum"] / conn["dst_wait_n"], 3)
-                                    if conn.get("dst_wait_n") else None),
+                    "bound_before_during_after": ([int(conn.get(f"bound_{k}", 0)) for k in ("before", "during", "after")]
+                                                  if any(conn.get(f"bound_{k}") for k in ("before", "during", "after"))
+                                                  else None),
                     "layerwise_share": round(conn.get("layerwise", 0) / sent, 3) if sent else None,
                     "decode_local_compute": conn.get("prompt_tokens_local_compute"),
                     "breakdown": r.get("breakdown"),
@@ -480,11 +483,11 @@ def summarize(files: list[Path]) -> list[dict[str, Any]]:
 def report(files: list[Path], out: Path) -> None:
     rows = summarize(files)
     cols = ["phase", "config", "setting", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "ttft_overhead_pct",
-            "transfer_ms", "dst_wait_ms", "layerwise_share", "completed"]
+            "transfer_ms", "bound_before_during_after", "layerwise_share", "completed"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join(str(r.get(c, r.get("error", ""))) for c in cols) + " |")
-    segs = [name for name, _, _ in SEGMENTS] + ["dst_wait"]
+    segs = [name for name, _, _ in SEGMENTS]
     shown = [g for g in segs if any(g in (r.get("breakdown") or {}) for r in rows)]
     if shown:
         lines += ["", "Where the time went (median ms per request, from the instances' and the proxy's milestones):",

@@ -22,10 +22,11 @@ def serving() -> ModuleType:
     return mod
 
 
-def request(xfer: str, seq: str, t0: float, dst_wait: float = 0.002) -> list[dict[str, Any]]:
-    """The milestones of one first-token-flow request, spaced as named below (seconds after ``t0``)."""
+def request(xfer: str, seq: str, t0: float, bind: float = 0.002, phase: str = "during") -> list[dict[str, Any]]:
+    """The milestones of one first-token-flow request, spaced as named below (seconds after ``t0``); its
+    destination reaches the prefill worker ``bind`` seconds after the decode allocated it."""
     at = {"proxy.recv": 0.0, "proxy.sent": 0.001, "p.new": 0.003, "d.new": 0.0035, "d.alloc": 0.004,
-          "p.dst": 0.005, "p.scheduled": 0.0055, "p.finished": 0.0605, "p.signal": 0.0606,
+          "w.bind": 0.004 + bind, "p.dst": 0.0065, "p.scheduled": 0.0055, "p.finished": 0.0605, "p.signal": 0.0606,
           "d.landed": 0.0607, "proxy.prefill_done": 0.0625, "p.first_sent": 0.0606, "d.first": 0.061,
           "proxy.first_out": 0.063, "d.reported": 0.0612, "proxy.decode_first": 0.068}
     rows = []
@@ -34,15 +35,15 @@ def request(xfer: str, seq: str, t0: float, dst_wait: float = 0.002) -> list[dic
         row: dict[str, Any] = {"t": t0 + dt, "ev": ev, "key": key}
         if ev in ("d.new", "d.alloc", "d.first"):
             row["seq"] = seq
-        if ev == "p.dst":
-            row["wait"] = dst_wait
+        if ev == "w.bind":
+            row["phase"] = phase
         rows.append(row)
     return rows
 
 
 def test_breakdown_gives_the_median_of_each_segment_inside_the_window(serving: ModuleType) -> None:
-    rows = request("x1", "cmpl-1", 100.0, 0.001) + request("x2", "cmpl-2", 101.0, 0.002) \
-        + request("x3", "cmpl-3", 102.0, 0.003) + request("late", "cmpl-9", 500.0)  # outside the window
+    rows = request("x1", "cmpl-1", 100.0, 0.001, "before") + request("x2", "cmpl-2", 101.0, 0.002) \
+        + request("x3", "cmpl-3", 102.0, 0.003) + request("late", "cmpl-9", 500.0, 0.0, "after")  # outside
     rows.sort(key=lambda r: r["t"])
     b = serving.breakdown(rows, 99.0, 103.0)
     assert b["proxy_in"] == {"p50_ms": 1.0, "n": 3}
@@ -51,7 +52,9 @@ def test_breakdown_gives_the_median_of_each_segment_inside_the_window(serving: M
     assert b["landed_after_signal"] == {"p50_ms": pytest.approx(0.1, abs=1e-3), "n": 3}  # joined via d.alloc
     assert b["decode_answer"] == {"p50_ms": pytest.approx(6.8, abs=1e-3), "n": 3}
     assert b["second_token_after_first"] == {"p50_ms": 5.0, "n": 3}
-    assert b["dst_wait"] == {"p50_ms": 2.0, "n": 3}
+    assert b["dst_to_worker"] == {"p50_ms": pytest.approx(2.0, abs=1e-3), "n": 3}
+    assert b["dst_to_scheduler"] == {"p50_ms": pytest.approx(2.5, abs=1e-3), "n": 3}
+    assert b["bound"] == {"before": 1, "during": 2}
     assert serving.breakdown(rows, 0.0, 1.0) == {}
 
 

@@ -17,7 +17,9 @@ pytestmark = [pytest.mark.vllm]
 def test_defaults() -> None:
     s = resolve_settings(None, env={})
     assert (s.mode, s.side_channel_port, s.backend, s.ifname, s.secret) == ("push", 0, "auto", None, None)
-    assert (s.transfer_timeout, s.lease, s.connect_timeout, s.dst_wait, s.admit_below) == (120.0, 30.0, 30.0, 5.0, 0.5)
+    assert (s.transfer_timeout, s.lease, s.connect_timeout, s.admit_below) == (120.0, 30.0, 30.0, 0.5)
+    assert (s.debug_push_delay, s.debug_dst_delay, s.debug_hold) == (0.0, 0.0, False)
+    assert not hasattr(s, "dst_wait")  # a prefill never waits for its destination
 
 
 def test_environment_uses_the_kv_transport_prefix() -> None:

@@ -16,6 +16,7 @@ from vllm.v1.request import RequestStatus
 
 from .vllm_helpers import (
     EOS,
+    PrefillWorkers,
     assert_no_leaks,
     empty_output,
     make_config,
@@ -110,18 +111,24 @@ def _push_first_step(pr: Pair, tag: str, prompt: list[int], *, d_block_size: int
 
 def test_push_layerwise_plan_and_clean_finish(pair) -> None:
     pr = pair()
+    w = PrefillWorkers()
     prompt = list(range(10, 10 + 40))  # 3 blocks, last one partial
     dreq, preq, so, src_blocks, dst_blocks = _push_first_step(pr, "x1", prompt)
     plan = plan_of(so)
-    assert len(plan.layer_pushes) == 1
-    push = plan.layer_pushes[0]
-    assert push.final and push.seq == dreq.request_id and push.req_id == preq.request_id
-    assert list(push.src) == list(src_blocks[:3]) and list(push.dst) == list(dst_blocks[:3])
+    (st,) = plan.sources
+    assert (st.req_id, st.xfer, st.prompt_len, st.start, st.stop, st.layerwise) == (preq.request_id, "x1", 40, 0, 40,
+                                                                                     True)
+    assert list(st.groups[0]) == list(src_blocks)
+    (b,) = plan.binds
+    assert (b.seq, b.engine, b.offset, list(b.blocks)) == (dreq.request_id, pr.dc.engine_id, 0, list(dst_blocks[:3]))
+    w.run(plan)
+    assert w.puts[dreq.request_id] == list(zip(src_blocks[:3], dst_blocks[:3], strict=True))
+    assert w.signals == {dreq.request_id: "layerwise"}
     pr.p.update_from_output(so, runner_output([preq]))  # max_tokens=1: finished, blocks held
     assert preq.request_id in pr.p.requests
     so = pr.p.schedule()
     assert plan_of(so).send_release == [preq.request_id]
-    assert not plan_of(so).whole_pushes
+    assert not plan_of(so).binds
     pr.p.update_from_output(so, empty_output(sending={preq.request_id}))
     assert_no_leaks(pr.p)
     # decode: KV landed -> admitted with the last prompt token to compute, then decodes
@@ -135,30 +142,40 @@ def test_push_layerwise_plan_and_clean_finish(pair) -> None:
     pr.d.update_from_output(so, empty_output())
     assert_no_leaks(pr.d)
 
-
 def test_late_destination_gets_whole_push(pair) -> None:
-    pr = pair(p_extra={"dst_wait": 0})  # the prefill does not wait for its destination: it comes late
+    """The prefill runs at once; its destination comes after the forward: the workers get it with the next
+    plan (the release after it) and put the whole prompt in one go."""
+    pr = pair()
+    w = PrefillWorkers()
     prompt = list(range(100, 120))
     pparams, dparams = pr.push_params("late")
     preq = make_request(prompt, params=pparams, max_tokens=1)
     pr.p.add_request(preq)
     so = pr.p.schedule()
-    assert not plan_of(so).layer_pushes  # destination unknown yet
+    assert preq.request_id in so.num_scheduled_tokens  # never held for its destination
+    assert not plan_of(so).binds  # unknown yet
+    src = pr.p.kv_cache_manager.get_block_ids(preq.request_id)[0]
+    w.run(plan_of(so))
     pr.p.update_from_output(so, runner_output([preq]))
     assert preq.request_id in pr.p.requests  # kept for the destination
     dreq = make_request(prompt, params=dparams)
     _decode_admit(pr, dreq)
     pr.prefill_sees_dsts("late")
     so = pr.p.schedule()
-    (whole,) = plan_of(so).whole_pushes  # the destination drained above: every block goes after the forward
+    plan = plan_of(so)
     dst = pr.d.kv_cache_manager.get_block_ids(dreq.request_id)[0]
-    assert whole.seq == dreq.request_id and whole.final and list(whole.dst) == list(dst[:2])
+    (b,) = plan.binds
+    assert b.seq == dreq.request_id and list(b.blocks) == list(dst[:2])
+    assert plan.send_release == [preq.request_id]  # after its destination in the same plan
+    w.run(plan)
+    assert w.puts[dreq.request_id] == list(zip(src[:2], dst[:2], strict=True))
+    assert w.signals == {dreq.request_id: "whole"}
     pr.p.update_from_output(so, empty_output())
-    assert not pr.pc.sources  # released after the whole push was planned
-
+    assert not pr.pc.sources
 
 def test_short_prompt_and_chunked_prefill(pair) -> None:
     pr = pair(max_batched=32)
+    w = PrefillWorkers()
     # shorter than a block
     pparams, dparams = pr.push_params("short")
     dreq = make_request([5, 6, 7], params=dparams)
@@ -167,10 +184,11 @@ def test_short_prompt_and_chunked_prefill(pair) -> None:
     pr.p.add_request(preq)
     pr.prefill_sees_dsts("short")
     so = pr.p.schedule()
-    (push,) = plan_of(so).layer_pushes
-    assert len(push.src) == 1 and len(push.dst) == 1 and push.final
+    w.run(plan_of(so))
+    assert len(w.puts[dreq.request_id]) == 1 and w.signals[dreq.request_id] == "layerwise"
     pr.p.update_from_output(so, runner_output([preq]))
-    # chunked: 70 tokens in 32-token chunks -> three steps, final only on the last
+    # chunked: 70 tokens in 32-token chunks -> three steps; each block goes once it is complete, the last (partial)
+    # one with the last chunk, and the signal after it
     pparams, dparams = pr.push_params("chunked")
     prompt = list(range(200, 270))
     dreq2 = make_request(prompt, params=dparams)
@@ -178,19 +196,19 @@ def test_short_prompt_and_chunked_prefill(pair) -> None:
     preq2 = make_request(prompt, params=pparams, max_tokens=1)
     pr.p.add_request(preq2)
     pr.prefill_sees_dsts("chunked")
-    finals, covered = [], []
+    chunks, signalled = [], []
     for step in range(3):
         so = pr.p.schedule()
-        pushes = [p for p in plan_of(so).layer_pushes if p.seq == dreq2.request_id]
-        assert len(pushes) == 1
-        finals.append(pushes[0].final)
-        covered.extend(pushes[0].dst)
+        plan = plan_of(so)
+        chunks += [(st.start, st.stop) for st in plan.sources if st.req_id == preq2.request_id]
+        w.run(plan)
+        signalled.append(dreq2.request_id in w.signals)
         reqs = [r for r in (preq2,) if r.request_id in so.num_scheduled_tokens]
         pr.p.update_from_output(so, runner_output(reqs, token=7 if step == 2 else None))
-    assert finals == [False, False, True]
+    assert chunks == [(0, 32), (32, 64), (64, 70)] and signalled == [False, False, True]
+    src = pr.p.kv_cache_manager.get_block_ids(preq2.request_id)[0]
     dst = pr.d.kv_cache_manager.get_block_ids(dreq2.request_id)[0]
-    assert sorted(set(covered)) == sorted(dst[:5])  # 70 tokens = 5 blocks; partial blocks re-pushed
-
+    assert w.puts[dreq2.request_id] == list(zip(src[:5], dst[:5], strict=True))  # 70 tokens = 5 blocks, each once
 
 def _kv_params(engine_outputs) -> dict:
     for eco in engine_outputs.values():
@@ -202,35 +220,36 @@ def _kv_params(engine_outputs) -> dict:
 
 def test_pull_mode_nixl_keys(pair) -> None:
     pr = pair()
+    w = PrefillWorkers()
     prompt = list(range(300, 300 + 50))
     toy = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
            "remote_block_ids": None, "remote_host": None, "remote_port": None}  # what vLLM's toy proxy sends
     preq = make_request(prompt, params=toy, max_tokens=1)
     pr.p.add_request(preq)
     so = pr.p.schedule()
-    assert not plan_of(so).layer_pushes
+    assert [st.layerwise for st in plan_of(so).sources] == [False]  # pull: nothing goes from inside the forward
+    w.run(plan_of(so))
     kv = _kv_params(pr.p.update_from_output(so, runner_output([preq])))
     for key in ("do_remote_prefill", "remote_block_ids", "remote_engine_id", "remote_request_id",
                 "remote_host", "remote_port", "tp_size"):
         assert key in kv, key
     assert kv["do_remote_prefill"] is True and kv["remote_port"] == pr.pc.port
     assert preq.request_id in pr.p.requests  # held until pulled
+    assert not w.ops
     dreq = make_request(prompt, params=kv)
     _decode_admit(pr, dreq)
     dst = pr.d.kv_cache_manager.get_block_ids(dreq.request_id)[0]
-    whole = []
 
     def pulled() -> bool:
         so = pr.p.schedule()
-        whole.extend(plan_of(so).whole_pushes)
+        w.run(plan_of(so))
         released = plan_of(so).send_release
         pr.p.update_from_output(so, empty_output(sending=set(released)))
         return preq.request_id not in pr.p.requests
     wait_until(pulled)
-    (push,) = whole
-    assert list(push.src) == kv["remote_block_ids"][:4] and list(push.dst) == dst[:4]
+    assert w.puts[dreq.request_id] == list(zip(kv["remote_block_ids"][:4], dst[:4], strict=True))
+    assert w.signals == {dreq.request_id: "whole"}
     assert_no_leaks(pr.p)
-
 
 def test_pull_mode_keeps_the_source_for_every_decode_child(pair) -> None:
     """Our proxy's pull mode tells the prefill the decode request's n (kvt_fanout): the source stays until
@@ -239,22 +258,23 @@ def test_pull_mode_keeps_the_source_for_every_decode_child(pair) -> None:
     prompt = list(range(700, 700 + 50))
     params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
               "remote_block_ids": None, "remote_host": None, "remote_port": None, "kvt_fanout": 2}
+    w = PrefillWorkers()
     preq = make_request(prompt, params=params, max_tokens=1)
     pr.p.add_request(preq)
     so = pr.p.schedule()
+    w.run(plan_of(so))
     kv = _kv_params(pr.p.update_from_output(so, runner_output([preq])))
-    whole: list = []
     released: list = []
 
     def step_prefill() -> None:
         so = pr.p.schedule()
-        whole.extend(plan_of(so).whole_pushes)
+        w.run(plan_of(so))
         released.extend(plan_of(so).send_release)
         pr.p.update_from_output(so, empty_output(sending=set(plan_of(so).send_release)))
 
     d1 = make_request(prompt, params=kv)
     _decode_admit(pr, d1)
-    wait_until(lambda: (step_prefill(), len(whole) == 1)[1])
+    wait_until(lambda: (step_prefill(), len(w.signals) == 1)[1])
     for _ in range(5):  # the first child's pull is done: the source must stay for the second
         step_prefill()
         time.sleep(0.02)
@@ -262,7 +282,7 @@ def test_pull_mode_keeps_the_source_for_every_decode_child(pair) -> None:
     d2 = make_request(prompt, params=kv)
     _decode_admit(pr, d2)
     wait_until(lambda: (step_prefill(), preq.request_id not in pr.p.requests)[1])
-    assert {p.seq for p in whole} == {d1.request_id, d2.request_id} and released == [preq.request_id]
+    assert w.signals == {d1.request_id: "whole", d2.request_id: "whole"} and released == [preq.request_id]
     assert_no_leaks(pr.p)
 
     # children allocated in the same step ask in one message: freed once both pulled, not at the lease
@@ -270,8 +290,9 @@ def test_pull_mode_keeps_the_source_for_every_decode_child(pair) -> None:
     preq = make_request(prompt, params=params, max_tokens=1)
     pr.p.add_request(preq)
     so = pr.p.schedule()
+    w.run(plan_of(so))
     kv = _kv_params(pr.p.update_from_output(so, runner_output([preq])))
-    whole.clear()
+    w.signals.clear()
     released.clear()
     d3, d4 = make_request(prompt, params=kv), make_request(prompt, params=kv)
     pr.d.add_request(d3)
@@ -280,7 +301,7 @@ def test_pull_mode_keeps_the_source_for_every_decode_child(pair) -> None:
     assert {d3.request_id, d4.request_id} <= set(plan_of(so).recv_start)
     pr.d.update_from_output(so, empty_output())
     wait_until(lambda: (step_prefill(), preq.request_id not in pr.p.requests)[1], timeout=10)
-    assert {p.seq for p in whole} == {d3.request_id, d4.request_id} and released == [preq.request_id]
+    assert w.signals == {d3.request_id: "whole", d4.request_id: "whole"} and released == [preq.request_id]
     assert_no_leaks(pr.p)
 
 
@@ -300,10 +321,12 @@ def test_decode_partial_prefix_hit_pulls_only_the_tail(pair) -> None:
     pr.p.add_request(preq)
     pr.prefill_sees_dsts("tail")
     so = pr.p.schedule()
-    (push,) = plan_of(so).layer_pushes
+    w = PrefillWorkers()
+    w.run(plan_of(so))
     src = pr.p.kv_cache_manager.get_block_ids(preq.request_id)[0]
     dst = pr.d.kv_cache_manager.get_block_ids(dreq.request_id)[0]
-    assert list(push.src) == list(src[2:4]) and list(push.dst) == list(dst[2:4])
+    assert plan_of(so).binds[0].offset == 2  # the decode had the first two blocks
+    assert w.puts[dreq.request_id] == list(zip(src[2:4], dst[2:4], strict=True))
 
 
 def test_decode_abort_while_waiting_frees_blocks(pair) -> None:
@@ -358,7 +381,10 @@ def test_fanout_two_destinations(pair) -> None:
     pr.p.add_request(preq)
     pr.prefill_sees_dsts("fan", n=2)
     so = pr.p.schedule()
-    assert {p.seq for p in plan_of(so).layer_pushes} == {d1.request_id, d2.request_id}
+    assert {b.seq for b in plan_of(so).binds} == {d1.request_id, d2.request_id}
+    w = PrefillWorkers()
+    w.run(plan_of(so))
+    assert w.signals == {d1.request_id: "layerwise", d2.request_id: "layerwise"}
     pr.p.update_from_output(so, runner_output([preq]))
     so = pr.p.schedule()
     assert plan_of(so).send_release == [preq.request_id]
@@ -405,18 +431,19 @@ def test_pull_with_n2_serves_every_decode_child_then_frees_the_family(pair) -> N
     kids = [make_request(prompt, params=dict(toy), max_tokens=1, rid=f"{i}_cmpl-parent") for i in range(2)]
     for k in kids:
         pr.p.add_request(k)
+    w = PrefillWorkers()
     so = pr.p.schedule()
+    w.run(plan_of(so))
     kv = _kv_params(pr.p.update_from_output(so, runner_output(kids)))
-    whole: list = []
 
     def step_prefill() -> None:
         so = pr.p.schedule()
-        whole.extend(plan_of(so).whole_pushes)
+        w.run(plan_of(so))
         pr.p.update_from_output(so, empty_output(sending=set(plan_of(so).send_release)))
 
     d0 = make_request(prompt, params=dict(kv), rid="0_cmpl-decode")
     _decode_admit(pr, d0)
-    wait_until(lambda: (step_prefill(), len(whole) == 1)[1])
+    wait_until(lambda: (step_prefill(), len(w.signals) == 1)[1])
     for _ in range(5):  # the first decode child was served: the family waits for the second
         step_prefill()
         time.sleep(0.02)
@@ -424,7 +451,7 @@ def test_pull_with_n2_serves_every_decode_child_then_frees_the_family(pair) -> N
     d1 = make_request(prompt, params=dict(kv), rid="1_cmpl-decode")
     _decode_admit(pr, d1)
     wait_until(lambda: (step_prefill(), not pr.p.requests)[1])
-    assert {p.seq for p in whole} == {d0.request_id, d1.request_id}
+    assert w.signals == {d0.request_id: "whole", d1.request_id: "whole"}
     assert not pr.pc.family_size and not pr.pc.family_asked  # nothing kept per family afterwards
     assert_no_leaks(pr.p)
 
@@ -463,7 +490,7 @@ def test_lease_renewed_by_live_decode_then_freed_when_it_disconnects(pair) -> No
     """A finished prefill request waiting for its destination is kept past the lease while the decode renews it
     (the decode's request waits unallocated), and freed at once when that decode's side channel closes."""
     lease = 3.0  # seconds: margins a loaded 2-core CI VM (GC pauses, unscheduled side-channel threads) keeps
-    pr = pair(p_extra={"lease": lease, "dst_wait": 0})  # the prefill runs before its destination is known
+    pr = pair(p_extra={"lease": lease})  # the prefill runs before its destination is known
     seen = _spy_counters(pr)
     prompt = list(range(10, 10 + 40))
     pparams, dparams = pr.push_params("x-lease")
@@ -502,7 +529,7 @@ def test_lease_renewed_by_live_decode_then_freed_when_it_disconnects(pair) -> No
 def test_lease_expires_without_decode(pair) -> None:
     """Blocks held for a decode that never comes are freed once the lease expires, and counted."""
     lease = 2.0  # the first schedule() below must come within it, also on a loaded CI VM
-    pr = pair(p_extra={"lease": lease, "dst_wait": 0})  # the prefill runs before its destination is known
+    pr = pair(p_extra={"lease": lease})  # the prefill runs before its destination is known
     seen = _spy_counters(pr)
     pparams, _ = pr.push_params("x-nobody")
     preq = make_request(list(range(10, 50)), params=pparams, max_tokens=1)
@@ -576,68 +603,53 @@ def _step(sched, **kw):
     return so
 
 
-def test_prefill_waits_for_its_destination_then_pushes_layerwise(pair) -> None:
-    """Default settings: a push-flow prefill request that arrives before its decode allocated waits (bounded by
-    dst_wait) instead of running, so its first layer already knows where to go; the wait is reported."""
-    pr = pair()
-    waits = _spy_timings(pr)
-    prompt = list(range(900, 940))
-    pparams, dparams = pr.push_params("x-wait")
+def test_a_push_flow_prefill_never_waits_for_its_destination(pair) -> None:
+    """A push-flow prefill request that arrives before its decode allocated is scheduled in the very first step
+    (the decode is told "ready" then); its destination binds whenever it comes, here between two chunks: the
+    first chunk's blocks go in one put, the rest as computed, each block once."""
+    pr = pair(max_batched=32)
+    w = PrefillWorkers()
+    prompt = list(range(900, 960))  # 60 tokens: chunks of 32 and 28
+    pparams, dparams = pr.push_params("x-now")
     preq = make_request(prompt, params=pparams, max_tokens=1)
     pr.p.add_request(preq)
-    t0 = time.monotonic()
-    so = _step(pr.p)
-    assert preq.request_id not in so.num_scheduled_tokens  # waits: the destination is unknown
-    assert not plan_of(so).layer_pushes and not plan_of(so).whole_pushes
-    dreq = make_request(prompt, params=dparams)
-    _decode_admit(pr, dreq)  # the decode allocates and sends the destination
-
-    def runs() -> bool:
-        so = pr.p.schedule()
-        if preq.request_id not in so.num_scheduled_tokens:
-            pr.p.update_from_output(so, empty_output())
-            return False
-        (push,) = plan_of(so).layer_pushes
-        assert push.final and push.seq == dreq.request_id
-        assert list(push.dst) == list(pr.d.kv_cache_manager.get_block_ids(dreq.request_id)[0][:3])
-        pr.p.update_from_output(so, runner_output([preq]))
-        return True
-
-    wait_until(runs)
-    took = time.monotonic() - t0
     so = pr.p.schedule()
-    assert not plan_of(so).whole_pushes and plan_of(so).send_release == [preq.request_id]
-    pr.p.update_from_output(so, empty_output(sending={preq.request_id}))
-    (waited,) = waits["dst_waits"]  # from its first consideration until it ran: within the test, below dst_wait
-    assert 0 < waited <= took and waited < pr.pc.settings.dst_wait
-    assert_no_leaks(pr.p)
+    assert so.num_scheduled_tokens == {preq.request_id: 32}  # at once: no destination known
+    assert not plan_of(so).binds
+    w.run(plan_of(so))
+    pr.p.update_from_output(so, runner_output([preq], token=None))
+    dreq = make_request(prompt, params=dparams)
+    _decode_admit(pr, dreq)
+    pr.prefill_sees_dsts("x-now")
+    so = pr.p.schedule()
+    assert so.num_scheduled_tokens == {preq.request_id: 28}
+    (b,) = plan_of(so).binds
+    assert b.seq == dreq.request_id
+    ops = w.run(plan_of(so))
+    src = pr.p.kv_cache_manager.get_block_ids(preq.request_id)[0]
+    dst = pr.d.kv_cache_manager.get_block_ids(dreq.request_id)[0]
+    first = ops[0]
+    assert first.layers == (0, 1) and list(first.push.dst) == list(dst[:2])  # chunk 1: every layer, one put
+    assert w.puts[dreq.request_id] == list(zip(src[:4], dst[:4], strict=True)) and w.signals == {
+        dreq.request_id: "layerwise"}
+    assert w.planner.counts["during"] == 1
+    pr.p.update_from_output(so, runner_output([preq]))
+    so = _step(pr.p, sending=set())
+    assert plan_of(so).send_release == [preq.request_id]
 
+def test_dst_wait_is_accepted_and_ignored(pair, caplog) -> None:
+    """An older configuration with ``dst_wait`` still starts (with a warning): the prefill never waits."""
+    import logging
 
-def test_prefill_admission_wait_is_bounded(pair) -> None:
-    """No decode ever allocates: the prefill runs after dst_wait (not later), counts the timeout, and its KV
-    then waits for a destination under the lease as before."""
-    pr = pair(p_extra={"dst_wait": 0.5, "lease": 30})
-    seen = _spy_counters(pr)
+    with caplog.at_level(logging.WARNING, logger="vllm.kvtransport"):
+        pr = pair(p_extra={"dst_wait": 5})
+    assert "dst_wait is no longer used" in caplog.text
     pparams, _ = pr.push_params("x-nodst")
     preq = make_request(list(range(10, 50)), params=pparams, max_tokens=1)
     pr.p.add_request(preq)
-    t0 = time.monotonic()
-    so = _step(pr.p)
-    assert preq.request_id not in so.num_scheduled_tokens
-
-    def runs() -> bool:
-        so = pr.p.schedule()
-        scheduled = preq.request_id in so.num_scheduled_tokens
-        pr.p.update_from_output(so, runner_output([preq]) if scheduled else empty_output())
-        return scheduled
-
-    wait_until(runs, timeout=5)
-    took = time.monotonic() - t0
-    assert 0.5 <= took < 3.0, took
-    assert preq.request_id in pr.p.requests  # finished, its blocks held for a destination
-    _step(pr.p)
-    assert seen == {"dst_wait_timeouts": 1}
-
+    so = pr.p.schedule()
+    assert preq.request_id in so.num_scheduled_tokens
+    pr.p.update_from_output(so, runner_output([preq]))
 
 def test_decode_above_admit_below_allocates_only_when_the_prefill_is_ready(pair) -> None:
     """admit_below=0: the decode holds no block for a push-flow request until the prefill says it is about to
@@ -656,8 +668,11 @@ def test_decode_above_admit_below_allocates_only_when_the_prefill_is_ready(pair)
     wait_until(lambda: (pr.pc._drain_inbox(time.monotonic()), "x-ready" in pr.pc.holds)[1])  # its renewal
     preq = make_request(prompt, params=pparams, max_tokens=1)
     pr.p.add_request(preq)
-    so = _step(pr.p)
-    assert preq.request_id not in so.num_scheduled_tokens  # waits for the destination, and said "ready"
+    w = PrefillWorkers()
+    so = pr.p.schedule()
+    assert preq.request_id in so.num_scheduled_tokens  # runs at once, and says "ready"
+    w.run(plan_of(so))
+    pr.p.update_from_output(so, runner_output([preq]))
 
     def admitted() -> bool:
         so = _step(pr.d)
@@ -669,14 +684,11 @@ def test_decode_above_admit_below_allocates_only_when_the_prefill_is_ready(pair)
     assert gauges == {"recv_unallocated": 0, "recv_in_progress": 1}
 
     def pushed() -> bool:
-        so = pr.p.schedule()
-        ok = preq.request_id in so.num_scheduled_tokens
-        if ok:
-            assert [p.seq for p in plan_of(so).layer_pushes] == [dreq.request_id]
-        pr.p.update_from_output(so, runner_output([preq]) if ok else empty_output())
-        return ok
+        w.run(plan_of(_step(pr.p)))
+        return dreq.request_id in w.signals
 
     wait_until(pushed)
+    assert w.signals == {dreq.request_id: "whole"}
 
 
 def test_decode_waiting_for_a_dead_prefill_takes_the_failure_path(pair) -> None:
@@ -758,18 +770,6 @@ def test_only_a_layerwise_producer_asks_for_piecewise_cuda_graphs(tiny_model: st
     assert KVTransportConnector.requires_piecewise_for_cudagraph({}) is True  # role unknown: the safe answer
 
 
-def _spy_timings(pr: Pair) -> dict[str, list[float]]:
-    """The prefill scheduler's timing lists (dst_waits), collected across vLLM's stats resets."""
-    seen: dict[str, list[float]] = {"dst_waits": []}
-    orig = pr.pc.stats_delta
-
-    def spy() -> dict:
-        out = orig()
-        seen["dst_waits"].extend(out.get("dst_waits", []))
-        return out
-
-    pr.pc.stats_delta = spy
-    return seen
 
 
 def test_decode_requests_are_bound_to_the_prefill_workers_that_push_them(pair) -> None:
@@ -802,10 +802,11 @@ def test_decode_requests_are_bound_to_the_prefill_workers_that_push_them(pair) -
 
 
 def test_fanout_release_waits_for_every_destination(pair) -> None:
-    """n=2 and the prefill runs knowing only the first destination (dst_wait=0): that one is pushed
-    layer-wise, the prefill request finishes, and its blocks stay held until the second destination came and
-    was pushed whole; only then is the request released."""
-    pr = pair(p_extra={"dst_wait": 0})
+    """n=2 and the prefill runs knowing only the first destination: that one is pushed layer-wise, the prefill
+    request finishes, and its blocks stay held until the second destination came and was pushed whole; only then
+    is the request released."""
+    pr = pair()
+    w = PrefillWorkers()
     prompt = list(range(1300, 1340))
     pparams, dparams = pr.push_params("fan-late", n=2)
     d1 = make_request(prompt, params=dparams)
@@ -814,31 +815,33 @@ def test_fanout_release_waits_for_every_destination(pair) -> None:
     pr.p.add_request(preq)
     pr.prefill_sees_dsts("fan-late", n=1)
     so = pr.p.schedule()
-    assert [p.seq for p in plan_of(so).layer_pushes] == [d1.request_id]
+    assert [b.seq for b in plan_of(so).binds] == [d1.request_id]
+    w.run(plan_of(so))
     pr.p.update_from_output(so, runner_output([preq]))  # finished: held for the second destination
     for _ in range(3):
         so = _step(pr.p)
+        w.run(plan_of(so))
         assert preq.request_id not in plan_of(so).send_release, "released before the second destination came"
         assert preq.request_id in pr.p.requests
     d2 = make_request(prompt, params=dparams)
     _decode_admit(pr, d2)
-    whole: list = []
     released: list = []
 
     def served() -> bool:
         so = _step(pr.p)
-        whole.extend(plan_of(so).whole_pushes)
+        w.run(plan_of(so))
         released.extend(plan_of(so).send_release)
         return preq.request_id in released
 
     wait_until(served)
-    assert [p.seq for p in whole] == [d2.request_id]
+    assert w.signals == {d1.request_id: "layerwise", d2.request_id: "whole"}
 
 
 def test_first_token_flow_continues_the_decode_from_the_prefills_token(pair) -> None:
     """Splitwise's order: the prefill samples the first token; the decode gets it over the side channel,
-    appends it to its prompt (not as an output: the client already has it from the prefill), computes only its
-    KV and samples the second token. Its workers may report the KV landed only once the token is there."""
+    appends it to its prompt (the model runner reads it from there), computes only its KV and samples the second
+    token, and reports both to its API server in its first output. Its workers may report the KV landed only
+    once the token is there."""
     pr = pair()
     prompt = list(range(10, 10 + 40))  # 3 blocks of 16, the last one partial
     pparams, dparams = pr.push_params("ft")
@@ -854,7 +857,7 @@ def test_first_token_flow_continues_the_decode_from_the_prefills_token(pair) -> 
     pr.p.add_request(preq)
     pr.prefill_sees_dsts("ft")
     so = pr.p.schedule()
-    assert len(plan_of(so).layer_pushes) == 1
+    assert [b.seq for b in plan_of(so).binds] == [dreq.request_id]
     pr.p.update_from_output(so, runner_output([preq], token=77))  # the first token: 77
     # the decode scheduler receives it, appends it to the prompt and releases the held receive
     def released() -> bool:
@@ -870,8 +873,15 @@ def test_first_token_flow_continues_the_decode_from_the_prefills_token(pair) -> 
     assert dreq.num_computed_tokens == len(prompt) + 1  # 40 landed + the first token, scheduled
     (new,) = so.scheduled_new_reqs
     assert list(new.prompt_token_ids) == [*prompt, 77]  # the model runner reads the token from the prompt
-    pr.d.update_from_output(so, runner_output([dreq], token=88))
+    outs = pr.d.update_from_output(so, runner_output([dreq], token=88))
     assert list(dreq.output_token_ids) == [88]
+    # the API server gets #1 with #2 (its detokenizer starts from the client's prompt): text as a single instance's
+    (out,) = [o for eco in outs.values() for o in eco.outputs if o.request_id == dreq.request_id]
+    assert list(out.new_token_ids) == [77, 88]
+    so = pr.d.schedule()
+    outs = pr.d.update_from_output(so, runner_output([dreq], token=EOS))
+    (out,) = [o for eco in outs.values() for o in eco.outputs if o.request_id == dreq.request_id]
+    assert list(out.new_token_ids) == [EOS]  # once
 
 
 def test_first_token_flow_with_a_partial_prefix_hit_and_an_early_token(pair) -> None:
@@ -901,8 +911,9 @@ def test_first_token_flow_with_a_partial_prefix_hit_and_an_early_token(pair) -> 
     pr.p.add_request(preq)
     pr.prefill_sees_dsts("cached")
     so = pr.p.schedule()
-    (push,) = plan_of(so).layer_pushes
-    assert len(push.src) == len(push.dst) == 1  # the block the decode did not have
+    w = PrefillWorkers()
+    w.run(plan_of(so))
+    assert len(w.puts[dreq.request_id]) == 1  # the block the decode did not have
     pr.p.update_from_output(so, runner_output([preq], token=55))
     so = pr.d.schedule()
     pr.d.update_from_output(so, empty_output(recving={dreq.request_id}))
@@ -927,8 +938,10 @@ def test_unlike_block_size_is_pushed_as_token_ranges(pair) -> None:
     _, preq, so, src_blocks, dst_blocks = _push_first_step(pr, "unlike", prompt, d_block_size=32)
     plan = plan_of(so)
     assert plan.peer_geometry == {pr.dc.engine_id: {"tp_size": 1, "block_size": 32, "kv_order": "HN"}}
-    assert len(plan.layer_pushes) == 1
-    push = plan.layer_pushes[0]
+    w = PrefillWorkers(unlike=plan.peer_geometry)
+    ops = w.run(plan)
+    push = ops[0].push  # layer 0, as the forward computed it
+    assert ops[0].layers == (0,) and [type(o).__name__ for o in ops] == ["PutOp", "PutOp", "SignalOp"]
     assert (push.start, push.stop, push.src_first, push.dst_first, push.final) == (0, 40, 0, 0, True)
     assert list(push.src) == list(src_blocks[:3]) and list(push.dst) == list(dst_blocks[:2])
     pr.p.update_from_output(so, runner_output([preq]))

@@ -1,9 +1,12 @@
 """Worker-side tests: a prefill WorkerSide pushes into a decode WorkerSide over the real nccl backend (gloo on
 host memory), with vLLM-shaped KV caches (one int8 buffer, per-layer [blocks, heads, block, 2*head] views in
-the HND order the CPU backend uses). Checks bytes, completion reports, timeouts and aborts."""
+the HND order the CPU backend uses). Checks bytes, completion reports, timeouts and aborts, and late binding:
+destinations that come with the plan or straight over the worker's destination channel, before, during or
+after the forward."""
 
 from __future__ import annotations
 
+import queue
 import socket
 import time
 
@@ -13,7 +16,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("kvtransport_vllm", reason="kvtransport-vllm is not installed")
 
 from kvtransport_vllm.config import resolve_settings  # noqa: E402
-from kvtransport_vllm.metadata import Push, StepPlan  # noqa: E402
+from kvtransport_vllm.metadata import Bind, SourceStep, StepPlan  # noqa: E402
 from kvtransport_vllm.worker import TransferResults, WorkerSide  # noqa: E402
 
 from kvtransport import wire  # noqa: E402
@@ -21,6 +24,7 @@ from kvtransport import wire  # noqa: E402
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(180)]
 
 LAYERS, BLOCKS, HEADS, BS, HEAD = 3, 64, 2, 16, 8
+BLOCK_BYTES = HEADS * BS * 2 * HEAD * 4  # one block of one layer (float32)
 
 
 def vllm_like_cache(seed: int | None) -> dict[str, torch.Tensor]:
@@ -36,7 +40,8 @@ def vllm_like_cache(seed: int | None) -> dict[str, torch.Tensor]:
 
 
 def worker(cache: dict[str, torch.Tensor], **extra) -> WorkerSide:
-    w = WorkerSide(settings=resolve_settings({"backend": "nccl", "connect_timeout": 20, **extra}), engine_id="e")
+    w = WorkerSide(settings=resolve_settings({"backend": "nccl", "connect_timeout": 20, **extra}), engine_id="e",
+                   block_size=BS)
     w.register_kv_caches(cache)
     return w
 
@@ -72,12 +77,24 @@ def step(p: WorkerSide, plan: StepPlan, cache: dict[str, torch.Tensor]) -> None:
     p.wait_for_save()
 
 
+def source(req: str, blocks: tuple[int, ...], start: int = 0, stop: int | None = None,
+           prompt_len: int | None = None, xfer: str | None = None, **kw) -> SourceStep:
+    """Prefill request ``req`` (transfer ``xfer``, default the same id) computing tokens [start, stop) of a prompt
+    held in ``blocks`` (default: the whole prompt, which fills every block)."""
+    plen = prompt_len if prompt_len is not None else len(blocks) * BS
+    return SourceStep(req, xfer or req, plen, (blocks,), start, plen if stop is None else stop, **kw)
+
+
+def dest(xfer: str, seq: str, blocks: tuple[int, ...], engine: str = "D", offset: int = 0) -> Bind:
+    return Bind(xfer, engine, seq, blocks, offset)
+
+
 def test_layerwise_push_lands_and_releases(pd) -> None:
     p, d, src, dst = pd
     meta = d.handshake()["metadata"]
     d.bind(StepPlan(recv_start={"dreq": 60}))
     s_ids, d_ids = (3, 4, 5, 9), (40, 41, 7, 8)
-    step(p, StepPlan(peers={"D": {0: meta}}, layer_pushes=[Push("preq", "dreq", "D", s_ids, d_ids, final=True)]), src)
+    step(p, StepPlan(peers={"D": {0: meta}}, sources=[source("preq", s_ids)], binds=[dest("preq", "dreq", d_ids)]), src)
     r = poll(d, "finished_recving", "dreq")
     assert "dreq" not in r.failed_recving
     for name in src:
@@ -89,24 +106,70 @@ def test_layerwise_push_lands_and_releases(pd) -> None:
     ps, ds = p.stats_delta(), d.stats_delta()
     assert ps["bytes_sent"] == ds["bytes_received"] == 4 * LAYERS * HEADS * BS * 2 * HEAD * 4
     assert ps["transfers_layerwise"] == 1 and ds["transfers_received"] == 1 and ps["backend"] == ["nccl"]
+    assert (ps["dst_bound_before"], ps["dst_bound_during"], ps["dst_bound_after"]) == (1, 0, 0)
+    assert ps["puts"] == ds["puts_received"] == LAYERS  # one put per layer, as the forward reached it
 
 
 def test_chunked_then_whole_push(pd) -> None:
+    """A prompt in two chunks whose first ends inside block 2: that block goes with the second chunk, once; a
+    destination that comes after the forward gets the whole prompt in one put per layer set."""
     p, d, src, dst = pd
     meta = d.handshake()["metadata"]
     d.bind(StepPlan(recv_start={"a": 60, "b": 60}))
-    # chunk 1 (not final: no signal), chunk 2 final
-    step(p, StepPlan(peers={"D": {0: meta}}, layer_pushes=[Push("p1", "a", "D", (1, 2), (11, 12), final=False)]), src)
+    plen = 3 * BS - 5
+    step(p, StepPlan(peers={"D": {0: meta}}, sources=[source("p1", (1, 2, 3), 0, BS + 5, plen)],
+                     binds=[dest("p1", "a", (11, 12, 13))]), src)
     time.sleep(0.2)
     assert "a" not in d.transfer_results().finished_recving
-    step(p, StepPlan(layer_pushes=[Push("p1", "a", "D", (2, 3), (12, 13), final=True)]), src)
+    assert p.cm.stats()["bytes_sent"] == LAYERS * BLOCK_BYTES  # block 1 only: block 2 is not complete yet
+    step(p, StepPlan(sources=[source("p1", (1, 2, 3), BS + 5, plen, plen)]), src)
     poll(d, "finished_recving", "a")
-    # destination known only after the forward: whole push from the plan
-    step(p, StepPlan(whole_pushes=[Push("p2", "b", "D", (20, 21), (30, 31))]), src)
+    # destination known only after the forward: one put of the whole prompt
+    step(p, StepPlan(sources=[source("p2", (20, 21))]), src)
+    p.bind(StepPlan(binds=[dest("p2", "b", (30, 31))]))
     poll(d, "finished_recving", "b")
     for name in src:
-        for s, t in ((1, 11), (2, 12), (3, 13), (20, 30), (21, 31)):
-            assert torch.equal(src[name][s], dst[name][t])
+        for s_, t in ((1, 11), (2, 12), (3, 13), (20, 30), (21, 31)):
+            assert torch.equal(src[name][s_], dst[name][t])
+    ps = p.stats_delta()
+    assert ps["bytes_sent"] == 5 * LAYERS * BLOCK_BYTES  # every block of every layer once
+    assert (ps["transfers_layerwise"], ps["transfers_whole"]) == (1, 1)
+    assert (ps["dst_bound_before"], ps["dst_bound_after"]) == (1, 1)
+
+
+def test_a_destination_bound_mid_forward_over_the_direct_channel(pd) -> None:
+    """The decode's blocks reach the worker straight over its destination channel (no plan carries them) while
+    the forward is between layer 0 and layer 1: layer 0 goes at once in one put, the others as they come; every
+    block of every layer is written once and the request lands."""
+    from kvtransport_vllm.sidechannel import PeerClient
+
+    p, d, src, dst = pd
+    meta = d.handshake()["metadata"]
+    d.bind(StepPlan(recv_start={"mid": 60}))
+    names = list(src)
+    host, port = p.handshake()["dst_at"]
+    hello = {"type": "hello", "version": 3, "engine_id": "D", "compat": "x", "tp_size": 1, "workers": {}}
+    inbox: queue.Queue = queue.Queue()
+    link = PeerClient(host, port, lambda: hello, lambda: ("x", {}), inbox, 10, worker=True)
+    try:
+        p.bind(StepPlan(peers={"D": {0: meta}}, sources=[source("pm", (4, 5, 6))]))
+        p.save_kv_layer(names[0], src[names[0]])  # layer 0 computed: no destination yet
+        link.send({"type": "dst", "xfer": "pm", "mode": "push", "dsts": [{"seq": "mid", "blocks": [50, 51, 52],
+                                                                           "offset": 0}]})
+        deadline = time.monotonic() + 20
+        while p.pusher.planner.counts["during"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert p.pusher.planner.counts["during"] == 1, p.pusher.planner.counts
+        for name in names[1:]:
+            p.save_kv_layer(name, src[name])
+        p.wait_for_save()
+        poll(d, "finished_recving", "mid")
+        for name in src:
+            for s_, t in ((4, 50), (5, 51), (6, 52)):
+                assert torch.equal(src[name][s_], dst[name][t])
+        assert p.cm.stats()["bytes_sent"] == d.cm.stats()["bytes_received"] == 3 * LAYERS * BLOCK_BYTES
+    finally:
+        link.close()
 
 
 def test_timeout_and_abort_take_the_failure_path(pd) -> None:
@@ -124,7 +187,7 @@ def test_timeout_and_abort_take_the_failure_path(pd) -> None:
 
 def test_unknown_peer_reports_send_failure(pd) -> None:
     p, _, src, _ = pd
-    step(p, StepPlan(layer_pushes=[Push("px", "sx", "nobody", (1,), (1,), final=True)]), src)
+    step(p, StepPlan(sources=[source("px", (1,))], binds=[dest("px", "sx", (1,), engine="nobody")]), src)
     deadline = time.monotonic() + 10
     fails = []
     while not fails and time.monotonic() < deadline:
@@ -142,16 +205,16 @@ def test_a_blackholed_decode_does_not_delay_another_decodes_push() -> None:
     try:
         live = d.handshake()["metadata"]
         d.bind(StepPlan(recv_start={"warm": 60, "live": 60}))
-        step(p, StepPlan(peers={"LIVE": {0: live}}, layer_pushes=[Push("p0", "warm", "LIVE", (1,), (1,), final=True)]),
-             src)
+        step(p, StepPlan(peers={"LIVE": {0: live}}, sources=[source("p0", (1,))],
+                         binds=[dest("p0", "warm", (1,), engine="LIVE")]), src)
         poll(d, "finished_recving", "warm")  # the live link exists: what follows measures only the push
         with socket.create_server(("127.0.0.1", 0)) as hole:  # the kernel completes TCP; nobody ever answers
             dead = wire.encode_metadata({**wire.decode_metadata(live), "instance": "blackhole",
                                          "port": hole.getsockname()[1]})
             t0 = time.monotonic()
-            step(p, StepPlan(peers={"DEAD": {0: dead}},
-                             layer_pushes=[Push("p1", "to-dead", "DEAD", (1, 2), (1, 2), final=True),
-                                           Push("p2", "live", "LIVE", (3, 4), (5, 6), final=True)]), src)
+            step(p, StepPlan(peers={"DEAD": {0: dead}}, sources=[source("p1", (1, 2)), source("p2", (3, 4))],
+                             binds=[dest("p1", "to-dead", (1, 2), engine="DEAD"),
+                                    dest("p2", "live", (5, 6), engine="LIVE")]), src)
             poll(d, "finished_recving", "live", timeout=20)
             assert time.monotonic() - t0 < 1.0, "the live decode's push waited for the dead decode's connect"
             deadline = time.monotonic() + 20
@@ -174,10 +237,11 @@ def test_debug_delay_holds_back_one_signal_without_blocking_others(pd) -> None:
     p, d, src, _ = pd
     meta = d.handshake()["metadata"]
     d.bind(StepPlan(recv_start={"slow": 60, "fast": 60}))
-    step(p, StepPlan(peers={"D": {0: meta}},
-                     layer_pushes=[Push("ps", "slow", "D", (1,), (11,), final=True, delay=4.0)]), src)
+    step(p, StepPlan(peers={"D": {0: meta}}, sources=[source("ps", (1,), delay=4.0)],
+                     binds=[dest("ps", "slow", (11,))]), src)
     t0 = time.monotonic()
-    step(p, StepPlan(whole_pushes=[Push("pf", "fast", "D", (2,), (12,))]), src)
+    step(p, StepPlan(sources=[source("pf", (2,))]), src)
+    p.bind(StepPlan(binds=[dest("pf", "fast", (12,))]))
     seen = poll(d, "finished_recving", "fast")
     step(p, StepPlan(send_release=["ps", "pf"]), src)
     sent = poll(p, "finished_sending", "pf")
@@ -228,15 +292,15 @@ def test_a_bound_request_refuses_another_prefills_push(pd) -> None:
     try:
         meta = d.handshake()["metadata"]
         d.bind(StepPlan(recv_start={"bound": 60}, recv_from={"bound": {0: p.cm.instance}}))
-        step(other, StepPlan(peers={"D": {0: meta}},
-                             layer_pushes=[Push("x", "bound", "D", (1, 2), (30, 31), final=True)]), src)
+        step(other, StepPlan(peers={"D": {0: meta}}, sources=[source("x", (1, 2))], binds=[dest("x", "bound", (30, 31))]),
+             src)
         deadline = time.monotonic() + 20
         while d.cm.stats()["foreign_refused"] < 3 and time.monotonic() < deadline:  # its puts and signals
             time.sleep(0.05)
         assert d.cm.stats()["foreign_refused"] >= 3, d.cm.stats()
         assert "bound" not in d.transfer_results().finished_recving
-        step(p, StepPlan(peers={"D": {0: meta}},
-                         layer_pushes=[Push("y", "bound", "D", (3, 4), (30, 31), final=True)]), src)
+        step(p, StepPlan(peers={"D": {0: meta}}, sources=[source("y", (3, 4))], binds=[dest("y", "bound", (30, 31))]),
+             src)
         poll(d, "finished_recving", "bound")
         for name in src:
             assert torch.equal(src[name][3], dst[name][30]) and torch.equal(src[name][4], dst[name][31])
@@ -284,9 +348,9 @@ def test_a_held_receive_is_reported_only_once_released(pd) -> None:
     p, d, src, dst = pd
     meta = d.handshake()["metadata"]
     d.bind(StepPlan(recv_start={"held": 60, "gone": 60, "dropped": 60}, recv_hold={"held", "gone", "dropped"}))
-    pushes = [Push("p1", "held", "D", (3, 4), (40, 41)), Push("p2", "gone", "D", (5,), (42,)),
-              Push("p3", "dropped", "D", (6,), (43,))]
-    step(p, StepPlan(peers={"D": {0: meta}}, whole_pushes=pushes), src)
+    step(p, StepPlan(peers={"D": {0: meta}}, sources=[source("p1", (3, 4)), source("p2", (5,)), source("p3", (6,))]),
+         src)
+    p.bind(StepPlan(binds=[dest("p1", "held", (40, 41)), dest("p2", "gone", (42,)), dest("p3", "dropped", (43,))]))
     landed = time.monotonic() + 30
     while len(d._landed_held) < 3 and time.monotonic() < landed:  # all three landed, none reported
         assert d.transfer_results().finished_recving == set()
@@ -303,7 +367,7 @@ def test_a_held_receive_is_reported_only_once_released(pd) -> None:
 HOSTILE_PEER_CHILD = r"""
 import sys, time
 sys.path.insert(0, sys.argv[1])
-from test_worker_connector import Push, StepPlan, vllm_like_cache, worker
+from test_worker_connector import StepPlan, dest, source, vllm_like_cache, worker
 from kvtransport import wire
 src, dst = vllm_like_cache(1), vllm_like_cache(None)
 p, d = worker(src, backend="ucx"), worker(dst, backend="ucx", transfer_timeout=60)
@@ -311,7 +375,9 @@ meta = wire.decode_metadata(d.handshake()["metadata"])
 bad = bytearray.fromhex(meta["transport"]["worker"])
 bad[0] = (bad[0] & 0xF0) | 0x7  # a header version libucp asserts on (it aborts the process unchecked)
 meta["transport"]["worker"] = bad.hex()
-p.bind(StepPlan(peers={"EVIL": {0: wire.encode_metadata(meta)}}, whole_pushes=[Push("p1", "s1", "EVIL", (1,), (2,))]))
+p.bind(StepPlan(peers={"EVIL": {0: wire.encode_metadata(meta)}}, sources=[source("p1", (1,))]))
+p.wait_for_save()
+p.bind(StepPlan(binds=[dest("p1", "s1", (2,), engine="EVIL")]))
 deadline = time.monotonic() + 30
 fails = []
 while not fails and time.monotonic() < deadline:
@@ -320,7 +386,9 @@ while not fails and time.monotonic() < deadline:
     time.sleep(0.05)
 print("FAILURES", [(f.seq, f.engine, f.reason.split(":")[0]) for f in fails])
 d.bind(StepPlan(recv_start={"s2": 60}))  # the process is alive and a genuine decode still gets its KV
-p.bind(StepPlan(peers={"D": {0: d.handshake()["metadata"]}}, whole_pushes=[Push("p2", "s2", "D", (3,), (4,))]))
+p.bind(StepPlan(peers={"D": {0: d.handshake()["metadata"]}}, sources=[source("p2", (3,))]))
+p.wait_for_save()
+p.bind(StepPlan(binds=[dest("p2", "s2", (4,))]))
 deadline = time.monotonic() + 30
 while "s2" not in d.transfer_results().finished_recving and time.monotonic() < deadline:
     time.sleep(0.05)

@@ -14,7 +14,7 @@ pytest.importorskip("kvtransport_vllm", reason="kvtransport-vllm is not installe
 
 from kvtransport_vllm.config import resolve_settings  # noqa: E402
 from kvtransport_vllm.geometry import Geometry, describe, part_seq  # noqa: E402
-from kvtransport_vllm.metadata import Push, StepPlan  # noqa: E402
+from kvtransport_vllm.metadata import Bind, SourceStep, StepPlan  # noqa: E402
 from kvtransport_vllm.worker import TransferResults, WorkerSide  # noqa: E402
 
 from kvtransport.reshard import kv_heads_of  # noqa: E402
@@ -66,7 +66,8 @@ def workers(tp: int, bs: int, order: str, **extra) -> tuple[list[WorkerSide], li
     for r in range(tp):
         kv = cache(len(kv_heads_of(KV_HEADS, tp, r)), bs, "HN" if order == "CPU" else order)
         w = WorkerSide(settings=resolve_settings({"backend": "nccl", "connect_timeout": 20, **extra}),
-                       engine_id="e", tp_rank=r, tp_size=tp, num_kv_heads=KV_HEADS, cpu_attn=order == "CPU")
+                       engine_id="e", tp_rank=r, tp_size=tp, num_kv_heads=KV_HEADS, cpu_attn=order == "CPU",
+                       block_size=bs)
         w.register_kv_caches(kv)
         ws.append(w)
         caches.append(kv)
@@ -130,13 +131,17 @@ def test_unlike_workers_move_exactly_the_prompt(ptp: int, dtp: int, pbs: int, db
             d.bind(StepPlan(recv_start={"dreq": 60}, recv_from={"dreq": senders}))
         metas = {r: d.handshake()["metadata"] for r, d in enumerate(ds)}
         geo = {"tp_size": dtp, "block_size": dbs, "kv_order": ds[0].geometry.order}
-        push = Push("preq", "dreq", "D", tuple(src_blocks), tuple(dst_blocks), final=True, start=dst_first,
-                    stop=prompt, src_first=0, dst_first=dst_first)
+        # two chunks (the first ends inside a block); the destination comes with the second: what the first
+        # computed goes at once, the rest layer by layer
+        cut = 20
         for r, p in enumerate(ps):
-            p.bind(StepPlan(peers={"D": metas}, peer_geometry={"D": geo}, layer_pushes=[push]))
-            for name, t in pcaches[r].items():
-                p.save_kv_layer(name, t)
-            p.wait_for_save()
+            for lo, hi, binds in ((0, cut, []), (cut, prompt, [Bind("preq", "D", "dreq", tuple(dst_blocks), dst_offset)])):
+                p.bind(StepPlan(peers={"D": metas} if lo == 0 else {}, peer_geometry={"D": geo} if lo == 0 else {},
+                                sources=[SourceStep("preq", "preq", prompt, (tuple(src_blocks),), lo, hi)],
+                                binds=binds))
+                for name, t in pcaches[r].items():
+                    p.save_kv_layer(name, t)
+                p.wait_for_save()
         poll_all(ds, "finished_recving", "dreq")
         for p in ps:
             p.bind(StepPlan(send_release=["preq"]))

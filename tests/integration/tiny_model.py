@@ -1,7 +1,12 @@
-"""Make a tiny random-weight Llama (and a word-level tokenizer) on disk, for offline vLLM tests.
+"""Make a tiny random-weight Llama (and a byte-level BPE tokenizer) on disk, for offline vLLM tests.
 
 Real random weights (std 0.02 init, fixed seed) make greedy outputs depend on the KV cache, so a P/D run
 that moved wrong bytes diverges from the single-instance reference. No network access is needed.
+
+The tokenizer is byte-level, as GPT-2's and Llama 3's are: every byte has a token of its own (``byte_token``),
+so a character of several UTF-8 bytes can be split across tokens (the text then depends on the tokens before
+it), and the words ``w4`` ... ``w1023`` (with or without a leading space) are one token each, so a prompt of
+``n`` such words is ``n`` tokens.
 """
 
 from __future__ import annotations
@@ -10,13 +15,50 @@ import json
 import sys
 from pathlib import Path
 
-VOCAB = 1024
+WORDS = 1024
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
+BYTES_AT = len(SPECIAL)
+"""The token of byte ``b`` is ``BYTES_AT + b``."""
 
 
-def words() -> list[str]:
-    """The tokenizer's vocabulary (special tokens, then w4..w1023)."""
-    return SPECIAL + [f"w{i}" for i in range(len(SPECIAL), VOCAB)]
+def byte_token(b: int) -> int:
+    return BYTES_AT + b
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for every byte (what byte-level BPE vocabularies are written in)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    out, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + n)
+            n += 1
+    return out
+
+
+def vocabulary() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Special tokens, the 256 byte tokens (in byte order), then ``w4`` ... ``w1023`` and ``Ġw4`` ... (``Ġ``: a
+    leading space) built by merges one character at a time (their prefixes ``w1``, ``Ġw10`` ... are tokens too)."""
+    b2u = _bytes_to_unicode()
+    vocab = {t: i for i, t in enumerate(SPECIAL)}
+    for b in range(256):
+        vocab[b2u[b]] = byte_token(b)
+    merges: list[tuple[str, str]] = []
+    for lead in (b2u[ord(" ")], ""):  # the spaced words first: their merges must rank before "w" + digit
+        for i in range(len(SPECIAL), WORDS):
+            word = lead + f"w{i}"
+            for cut in range(2, len(word) + 1):
+                left, right, whole = word[:cut - 1], word[cut - 1], word[:cut]
+                if whole not in vocab:
+                    vocab[whole] = len(vocab)
+                    merges.append((left, right))
+    return vocab, merges
+
+
+def vocab_size() -> int:
+    return len(vocabulary()[0])
 
 
 def make_tiny_llama(path: str | Path, *, seed: int = 0, layers: int = 2, sliding_window: int | None = None) -> Path:
@@ -29,12 +71,12 @@ def make_tiny_llama(path: str | Path, *, seed: int = 0, layers: int = 2, sliding
         return out
     out.mkdir(parents=True, exist_ok=True)
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+        vocab_size=vocab_size(), hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
         bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False, torch_dtype="float32",
     )
@@ -43,9 +85,10 @@ def make_tiny_llama(path: str | Path, *, seed: int = 0, layers: int = 2, sliding
         cfg.sliding_window = sliding_window
     model = LlamaForCausalLM(cfg)
     model.to(torch.float32).save_pretrained(out)
-    vocab = {w: i for i, w in enumerate(words())}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    vocab, merges = vocabulary()
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
                                    pad_token="<pad>")
     # a minimal chat template so /v1/chat/completions works

@@ -113,3 +113,45 @@ def assert_no_leaks(sched: Scheduler) -> None:
     assert pool.free_block_queue.num_free_blocks == pool.num_gpu_blocks - 1
     for b in pool.blocks:
         assert b.ref_cnt == 0
+
+
+class PrefillWorkers:
+    """What a prefill's workers put, from its scheduler's plans: the workers' real PushPlanner, fed as their pusher
+    feeds it (the plan's sources and destinations, each layer of the step's forward, the step's end; releases and
+    given-up requests are forgotten). ``puts[seq]``: the (source, destination) block pairs of layer 0 in order (like-for-like destinations);
+    ``signals[seq]``: how that destination was finished ("layerwise" / "whole"); ``ops``: everything."""
+
+    def __init__(self, layers: int = 2, block_size: int = 16, unlike: dict[str, dict[str, Any]] | None = None) -> None:
+        from kvtransport_vllm.pushplan import PushPlanner
+
+        self.layers = layers
+        self.planner = PushPlanner([0] * layers, block_size, lambda e: (unlike or {}).get(e))
+        self.puts: dict[str, list[tuple[int, int]]] = {}
+        self.signals: dict[str, str] = {}
+        self.ops: list[Any] = []
+
+    def run(self, plan: Any) -> list[Any]:
+        from kvtransport_vllm.pushplan import PutOp
+
+        ops = self.planner.step(plan.sources) if plan.sources else []
+        for b in plan.binds:
+            ops += self.planner.bind(b)[0]
+        for xfer, seq in plan.cancels:
+            self.planner.cancel(xfer, seq)
+        for rid in plan.dropped:
+            self.planner.forget(rid)
+        if plan.sources:
+            for layer in range(self.layers):
+                ops += self.planner.layer(layer)
+            ops += self.planner.step_end()
+        for rid in plan.send_release:
+            self.planner.forget(rid)
+        for op in ops:
+            if isinstance(op, PutOp):
+                if 0 in op.layers and op.push.start < 0:  # like-for-like block pairs (unlike: token ranges)
+                    self.puts.setdefault(op.push.seq, []).extend(zip(op.push.src, op.push.dst, strict=True))
+            else:
+                assert op.push.seq not in self.signals, f"{op.push.seq} signalled twice"
+                self.signals[op.push.seq] = op.kind
+        self.ops += ops
+        return ops

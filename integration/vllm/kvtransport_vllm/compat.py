@@ -10,6 +10,10 @@ Supported: vLLM 0.24.x through 0.33.x (``SUPPORTED``). What differs inside that 
 * **KV cache tensors.** Each layer's tensor may keep its block dimension first (0.32+ CPU and GPU,
   FlashInfer) or second (0.24's FlashAttention ``[2, num_blocks, block_size, heads, head_size]``):
   :func:`block_dim` finds it from the number of blocks.
+* **Token #1 of the first-token flow** is appended to a decode request's prompt inside the engine, where the API
+  server's detokenizer never sees it; :data:`first_token_emitter` wraps ``Scheduler.update_from_output`` (the
+  same in 0.24 through 0.33) so that the request's first output carries it in front of token #2, and the
+  client's text is detokenized from both, as a single instance's.
 * **The connector's role** is not passed to ``requires_piecewise_for_cudagraph`` (any version):
   :func:`role_of_extra_config` finds the ``KVTransferConfig`` that owns the dict being asked about.
 
@@ -77,6 +81,59 @@ except ImportError:  # before 0.32
     P2P_CACHE_HIT_SOURCE = None
 
 
+class FirstTokenEmitter:
+    """Decode requests (first-token flow) whose token #1, appended to their prompt inside the engine, is to be
+    reported to the API server with their first output (``new_token_ids = [#1, #2]``): its detokenizer then
+    starts from #1 as a single instance's does (a UTF-8 character split across #1/#2, a stop string across
+    them), and the answer counts #1 (the decode leg asks for one token fewer, so the total is the client's).
+
+    :meth:`install` wraps ``vllm.v1.core.sched.scheduler.Scheduler.update_from_output`` once per process (the
+    engine-core process of a decode); :meth:`add` / :meth:`discard` run on the scheduler thread, as does the
+    wrapper. At most ``limit`` requests are held (requests in flight; the oldest go first)."""
+
+    def __init__(self, limit: int = 65536) -> None:
+        self.limit = limit
+        self.pending: dict[str, int] = {}
+        self.installed = False
+
+    def install(self) -> None:
+        if self.installed:
+            return
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        original = Scheduler.update_from_output
+        emitter = self
+
+        def update_from_output(sched: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+            outputs = original(sched, scheduler_output, model_runner_output)
+            if emitter.pending:
+                emitter.apply(outputs)
+            return outputs
+
+        update_from_output.__wrapped__ = original  # type: ignore[attr-defined]
+        Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
+        self.installed = True
+
+    def add(self, request_id: str, token: int) -> None:
+        self.install()
+        self.pending[request_id] = int(token)
+        while len(self.pending) > self.limit:
+            self.pending.pop(next(iter(self.pending)))
+
+    def discard(self, request_id: str) -> None:
+        self.pending.pop(request_id, None)
+
+    def apply(self, outputs: Mapping[int, Any]) -> None:
+        """Put each pending request's token #1 in front of the first output that carries tokens."""
+        for eco in outputs.values():
+            for out in getattr(eco, "outputs", None) or []:
+                if out.new_token_ids and out.request_id in self.pending:
+                    out.new_token_ids = [self.pending.pop(out.request_id), *out.new_token_ids]
+
+
+first_token_emitter = FirstTokenEmitter()
+
+
 def block_dim(shape: Sequence[int], num_blocks: int | None) -> int:
     """The dimension of a per-layer KV tensor that indexes blocks.
 
@@ -126,6 +183,7 @@ __all__ = [
     "KVConnectorWorkerMetadata",
     "SupportsHMA",
     "block_dim",
+    "first_token_emitter",
     "check_version",
     "parse_version",
     "role_of_extra_config",

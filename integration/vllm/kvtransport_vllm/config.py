@@ -15,10 +15,8 @@ Keys of ``kv_connector_extra_config`` (all optional)::
                        decode instances renew it every lease/3 while they still want the KV. Expired: the
                        blocks are freed (default 30; ``source_ttl`` is accepted as an older name)
     connect_timeout    seconds for side-channel and transport connects (default 30)
-    dst_wait           seconds a prefill request of the push flow may wait for its destination blocks
-                       before it is scheduled anyway (default 5; the push then happens after the forward).
-                       Layer-wise push needs the destination known before the first layer runs; 0 never
-                       delays a prefill (most pushes then go whole, after the forward)
+    dst_wait           no longer used: a prefill request never waits for its destination (the workers bind it
+                       whenever it comes); accepted, with a warning, so older configurations still start
     admit_below        decode: the fraction of its KV blocks in use below which a push-flow request is
                        allocated as soon as it arrives (default 0.5). Above it, the decode allocates only
                        when the prefill says it is about to compute the request (``ready``), so blocks are
@@ -30,6 +28,9 @@ Keys of ``kv_connector_extra_config`` (all optional)::
     debug_push_delay   test-only: seconds the prefill worker holds back the final signal of a request whose
                        prefill-leg kv_transfer_params carry ``kvt_debug_delay: true``; other requests are
                        served meanwhile (default 0)
+    debug_dst_delay    test-only: seconds a decode instance holds back the destination blocks of a request whose
+                       decode-leg kv_transfer_params carry ``kvt_debug_late: true`` (a late decode: the prefill
+                       computes without them, and binds them whenever they come; default 0)
     debug_hold         test-only: a decode instance with ``debug_hold: true`` never admits a request whose
                        decode-leg kv_transfer_params carry ``kvt_debug_hold: true``: it stays waiting,
                        unallocated (as if the decode had no room for it) and keeps renewing its lease on the
@@ -38,6 +39,7 @@ Keys of ``kv_connector_extra_config`` (all optional)::
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Mapping
@@ -47,6 +49,7 @@ from typing import Any
 from kvtransport.config import read_env
 
 MODES = ("push", "pull")
+log = logging.getLogger("vllm.kvtransport")
 
 
 @dataclass(frozen=True)
@@ -60,11 +63,11 @@ class ConnectorSettings:
     transfer_timeout: float = 120.0
     lease: float = 30.0
     connect_timeout: float = 30.0
-    dst_wait: float = 5.0
     admit_below: float = 0.5
     model_id: str | None = None
     backend_options: Mapping[str, Any] = field(default_factory=dict)
     debug_push_delay: float = 0.0
+    debug_dst_delay: float = 0.0
     debug_hold: bool = False
     secret: bytes | None = field(default=None, repr=False)
 
@@ -121,6 +124,10 @@ def resolve_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str] | N
             raise ValueError(f"kv_connector_extra_config.{key} must be > 0, got {value}")
         return value
 
+    if "dst_wait" in extra:
+        _finite("dst_wait", 0.0)  # still refused when not a number, as before
+        log.warning("kv_connector_extra_config.dst_wait is no longer used: a prefill request never waits for its "
+                    "destination (its workers bind it whenever it comes); remove it")
     return ConnectorSettings(
         backend=str(extra.get("backend") or env.get("KV_TRANSPORT") or "auto").lower(),
         ifname=(extra.get("ifname") or env.get("NET_IFNAME") or None),
@@ -129,11 +136,11 @@ def resolve_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str] | N
         transfer_timeout=_num("transfer_timeout", 120.0),
         lease=_num("lease", float(extra.get("source_ttl", 30.0))),
         connect_timeout=_num("connect_timeout", 30.0),
-        dst_wait=max(0.0, _finite("dst_wait", 5.0)),
         admit_below=min(1.0, max(0.0, _finite("admit_below", 0.5))),
         model_id=extra.get("model_id"),
         backend_options=dict(opts),
-        debug_push_delay=max(0.0, float(extra.get("debug_push_delay", 0.0))),
+        debug_push_delay=max(0.0, _finite("debug_push_delay", 0.0)),
+        debug_dst_delay=max(0.0, _finite("debug_dst_delay", 0.0)),
         debug_hold=extra.get("debug_hold", False) is True,
         secret=_secret(opts.get("secret"), env),
     )

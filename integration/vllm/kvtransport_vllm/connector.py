@@ -187,7 +187,8 @@ class KVTransportConnector(*_BASES):  # type: ignore[misc]
             self._worker = WorkerSide(settings=self.settings, engine_id=self.engine_id, tp_rank=rank,
                                       num_blocks=num_blocks, tp_size=vllm_config.parallel_config.tensor_parallel_size,
                                       num_kv_heads=mc.get_total_num_kv_heads() if mc is not None else None,
-                                      cpu_attn=_cpu_attention(), layer_groups=layer_groups)
+                                      cpu_attn=_cpu_attention(), layer_groups=layer_groups,
+                                      block_size=vllm_config.cache_config.block_size)
 
     # ------------------------------------------------------------------ class-level
     @classmethod

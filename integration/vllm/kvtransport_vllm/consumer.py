@@ -2,7 +2,8 @@
 
 It claims prompt tokens for requests carrying ``do_remote_prefill`` (push flow: once admitted, see
 :meth:`Consumer._admit_now`), parks them in WAITING_FOR_REMOTE_KVS, sends their freshly allocated block ids to
-the prefill scheduler, renews the leases of the transfers it still wants, applies the prefill's first token
+the prefill scheduler and, straight, to each of its workers (their destination channels, named in the prefill's
+welcome: the blocks reach the workers without the prefill's engine loop), renews the leases of the transfers it still wants, applies the prefill's first token
 (first-token flow) and tells its workers which sequences to wait for (and for how long). When a prefill's side
 channel drops, the requests still waiting for its KV fail (vLLM then fails or recomputes them per
 ``kv_load_failure_policy``). The common part (:mod:`.scheduler`) calls in here from vLLM's hooks, on the
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import trace
+from .compat import first_token_emitter
 from .metadata import Failure, FailureKind, StepPlan
 from .sidechannel import PeerClient
 
@@ -26,6 +28,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.kvtransport")
 
+WORKER_LINK_RETRY_S = 5.0
+"""A prefill worker's destination channel that failed is not reopened sooner (its destinations still reach the
+worker through the prefill's scheduler)."""
 PREFILL_LOST = "prefill lost: "
 """How the reason of a :attr:`FailureKind.PREFILL_LOST` failure begins (as logged)."""
 
@@ -75,6 +80,10 @@ class Consumer:
         self.doomed: dict[str, Failure] = {}  # decode req -> why its KV cannot come (admitted only to fail)
         self.first_waits: dict[str, _FirstWait] = {}  # decode req -> its first-token wait (until it is scheduled)
         self._first_ready: set[str] = set()  # decode reqs whose first token was appended (workers may report them)
+        self.worker_at: dict[tuple[str, int], dict[int, tuple[str, int]]] = {}  # prefill -> its workers' channels
+        self.worker_links: dict[tuple[str, int, int], PeerClient] = {}  # (prefill host, port, rank) -> link
+        self._link_retry: dict[tuple[str, int, int], float] = {}  # a dead link is not reopened before this time
+        self._late: list[tuple[float, tuple[str, int], dict[str, Any]]] = []  # test-only (debug_dst_delay)
 
     # ------------------------------------------------------------------ vLLM hooks (decode requests)
     def on_new_request(self, request: Any) -> None:
@@ -190,12 +199,18 @@ class Consumer:
         dst: dict[str, Any] = {"seq": rid, "blocks": unhashed, "offset": offset}
         if extra:
             dst["groups"] = extra
-        self._outgoing[addr].append({"type": "dst", "xfer": xfer, "mode": mode, "dsts": [dst]})
+        msg = {"type": "dst", "xfer": xfer, "mode": mode, "dsts": [dst]}
+        if self.settings.debug_dst_delay > 0 and params.get("kvt_debug_late") is True:  # test only: a late decode
+            self._late.append((time.monotonic() + self.settings.debug_dst_delay, addr, msg))
+            return
+        self._outgoing[addr].append(msg)
 
     def request_finished(self, request: Any) -> None:
         """Cancel an outstanding transfer (the request was aborted, or never allocated)."""
         rid = request.request_id
         self.first_waits.pop(rid, None)
+        first_token_emitter.discard(rid)
+        self._late = [x for x in self._late if all(d.get("seq") != rid for d in x[2]["dsts"])]
         self.wanted.pop(rid, None)
         self.arrived.pop(rid, None)
         self.doomed.pop(rid, None)
@@ -229,6 +244,11 @@ class Consumer:
         """Renew leases; this step's receives (started, aborted, failed, bound, held, released); send queued
         messages."""
         self._renew(now)
+        if self._late:
+            due = [(addr, m) for t, addr, m in self._late if t <= now]
+            self._late = [x for x in self._late if x[0] > now]
+            for addr, m in due:
+                self._outgoing[addr].append(m)
         plan.recv_start, self._recv_start = self._recv_start, {}
         plan.recv_blocks, self._recv_blocks = self._recv_blocks, {}
         plan.recv_abort, self._recv_abort = self._recv_abort, []
@@ -251,6 +271,7 @@ class Consumer:
         elif kind == "lost":
             _, addr, reason = ev
             self.prefill_senders.pop(tuple(addr), None)  # a restarted prefill tells its new workers
+            self._drop_worker_links(tuple(addr))
             for rid, rec in self.recvs.items():
                 if rec.addr == tuple(addr) and rid not in self._recv_fail:
                     log.warning("kvtransport: %s loses its prefill: %s", rid, reason)
@@ -265,6 +286,10 @@ class Consumer:
             for rid, rec in self.recvs.items():
                 if rec.addr == tuple(addr):
                     self._recv_from[rid] = senders
+        elif kind == "workers":  # that prefill's workers' destination channels (its welcome)
+            _, addr, worker_at = ev
+            self._drop_worker_links(tuple(addr))
+            self.worker_at[tuple(addr)] = dict(worker_at)
         elif kind == "first":
             _, addr, xfer, token = ev
             self._first_token_arrived(tuple(addr), str(xfer), int(token))
@@ -293,6 +318,8 @@ class Consumer:
                 log.warning("kvtransport: first token of %s came when it was %s; not applied", rid, status)
                 continue
             append_prompt_token(req, token)
+            if getattr(getattr(req, "sampling_params", None), "logprobs", None) is None:
+                first_token_emitter.add(rid, token)  # the API server gets #1 with #2 (no logprobs row for it)
             first.applied = True
             self.counters["first_tokens_received"] += 1
             self._first_ready.add(rid)
@@ -339,13 +366,43 @@ class Consumer:
                     merged[m["xfer"]] = m
                 else:
                     client.send(m)
+            links = self._worker_links(addr) if merged else []
             for m in merged.values():
+                for link in links:  # straight to the workers first: they start putting at once
+                    link.send(m)
                 client.send(m)
         self._outgoing.clear()
+
+    def _worker_links(self, addr: tuple[str, int]) -> list[PeerClient]:
+        """Links to the destination channels of prefill ``addr``'s workers (known from its welcome), opened on
+        first use; a dead one is reopened at most every WORKER_LINK_RETRY_S (its messages meanwhile reach the
+        workers through their scheduler)."""
+        now = time.monotonic()
+        out = []
+        for rank, (host, port) in self.worker_at.get(addr, {}).items():
+            key = (addr[0], addr[1], rank)
+            link = self.worker_links.get(key)
+            if link is None or link.dead:
+                if now < self._link_retry.get(key, 0.0):
+                    continue
+                self._link_retry[key] = now + WORKER_LINK_RETRY_S
+                link = PeerClient(host, port, self.side.hello, self.side.compat, self.side.inbox,
+                                  self.settings.connect_timeout, secret=self.settings.secret, worker=True)
+                self.worker_links[key] = link
+            out.append(link)
+        return out
+
+    def _drop_worker_links(self, addr: tuple[str, int]) -> None:
+        self.worker_at.pop(addr, None)
+        for key in [k for k in self.worker_links if (k[0], k[1]) == addr]:
+            self.worker_links.pop(key).close()
+            self._link_retry.pop(key, None)
 
     def close(self) -> None:
         for c in self.clients.values():
             c.close()
+        for link in self.worker_links.values():
+            link.close()
 
 
 def append_prompt_token(request: Any, token: int) -> None:

@@ -41,14 +41,13 @@ class Failure:
 
 @dataclass(frozen=True)
 class Push:
-    """Copy ``src`` blocks of prefill request ``req_id`` into ``dst`` blocks of decode sequence ``seq``.
+    """Copy ``src`` blocks of prefill request ``req_id`` into ``dst`` blocks of decode sequence ``seq``: what the
+    worker's :class:`~.pushplan.PushPlanner` makes due, into the layers its op names.
 
-    ``engine`` names the decode engine (its workers' metadata came in ``StepPlan.peers``). A layer-wise push
-    (``StepPlan.layer_pushes``) is issued from ``save_kv_layer`` for each layer; ``final`` means this step
-    completes the prompt, so each layer is signalled and the sequence is signalled after the last one. A
-    whole push (``StepPlan.whole_pushes``) puts and signals every layer at once, right after the forward.
-    ``delay`` (test-only, ``debug_push_delay``): seconds the worker holds back the sequence's final signal (it
-    keeps serving other requests meanwhile; the prefill request is released after that signal).
+    ``engine`` names the decode engine (its workers' metadata came in ``StepPlan.peers``). ``final`` is kept for
+    older callers (every planned push is). ``delay`` (test-only, ``debug_push_delay``): seconds the worker holds
+    back the sequence's final signal (it keeps serving other requests meanwhile; the prefill request is released
+    after that signal).
 
     Unlike peers (other TP size, block size or head order: ``StepPlan.peer_geometry``) get a token range instead
     of block pairs: tokens ``[start, stop)``, ``src`` holding the prefill's tokens from ``src_first`` on, ``dst``
@@ -76,8 +75,37 @@ class Push:
     base: str = ""
     """(worker) the decode request ``seq`` is a part of; empty: ``seq`` itself."""
     group: int = 0
-    """The KV cache group whose layers this push fills (hybrid models: e.g. full and sliding-window attention).
-    Only group 0's pushes signal the sequence; the others' come first."""
+    """The KV cache group whose layers this push fills (hybrid models: e.g. full and sliding-window attention)."""
+
+
+@dataclass(frozen=True)
+class SourceStep:
+    """Scheduler -> worker: prefill request ``req_id`` (transfer ``xfer``) computes prompt tokens ``[start, stop)``
+    in this step. ``groups``: its blocks so far, per KV cache group. ``layerwise``: puts may go while the forward
+    runs (push mode); else only once the prompt is computed. ``delay``: test-only hold of its final signal."""
+
+    req_id: str
+    xfer: str
+    prompt_len: int
+    groups: tuple[tuple[int, ...], ...]
+    start: int
+    stop: int
+    layerwise: bool = True
+    delay: float = 0.0
+
+
+@dataclass(frozen=True)
+class Bind:
+    """A destination of transfer ``xfer``: decode engine ``engine``'s request ``seq`` holds the prompt's blocks
+    from block ``offset`` on in ``blocks`` (its own earlier blocks hold cached KV), and KV cache groups 1.. in
+    ``groups``."""
+
+    xfer: str
+    engine: str
+    seq: str
+    blocks: tuple[int, ...]
+    offset: int = 0
+    groups: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass
@@ -88,8 +116,15 @@ class StepPlan:
     """decode engine id -> tp rank -> kvtransport metadata (only engines the workers have not seen yet)."""
     peer_geometry: dict[str, dict[str, Any]] = field(default_factory=dict)
     """decode engine id -> its ``tp_size``, ``block_size``, ``kv_order`` (sent with ``peers``)."""
-    layer_pushes: list[Push] = field(default_factory=list)
-    whole_pushes: list[Push] = field(default_factory=list)
+    sources: list[SourceStep] = field(default_factory=list)
+    """Prefill requests this step computes (the workers track what is computed, :mod:`.pushplan`)."""
+    binds: list[Bind] = field(default_factory=list)
+    """Destinations the scheduler learnt since the last plan (a decode also sends them to the workers directly;
+    the worker binds each once, whichever way comes first)."""
+    cancels: list[tuple[str, str]] = field(default_factory=list)
+    """(transfer, decode request): no more puts to that destination."""
+    dropped: list[str] = field(default_factory=list)
+    """Prefill requests given up (their decode went away, they failed): no more puts from them."""
     send_release: list[str] = field(default_factory=list)
     """Prefill requests that get no further pushes: report them finished_sending once flushed."""
     recv_start: dict[str, float] = field(default_factory=dict)
@@ -112,7 +147,7 @@ class StepPlan:
     """Decode requests whose first token was appended: no longer held (see ``recv_hold``)."""
 
     def is_empty(self) -> bool:
-        return not (self.peers or self.layer_pushes or self.whole_pushes or self.send_release
+        return not (self.peers or self.sources or self.binds or self.cancels or self.dropped or self.send_release
                     or self.recv_start or self.recv_abort or self.recv_fail or self.recv_from or self.recv_hold
                     or self.recv_release)
 

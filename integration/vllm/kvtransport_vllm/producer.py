@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import trace
-from .metadata import Push, StepPlan
-from .pushplan import PushPlanner
+from .metadata import Bind, SourceStep, StepPlan
 
 if TYPE_CHECKING:
     from .scheduler import SchedulerSide
@@ -45,14 +44,17 @@ class _Dst:
     seq: str
     blocks: list[int]
     offset: int
-    pushed_upto: int = 0  # absolute prompt-block index below which layer-wise pushes are issued (full blocks)
-    pushed_tok: int = 0  # unlike peers: prompt tokens below this were pushed
     extra: list[list[int]] = field(default_factory=list)  # KV cache groups 1.. : their blocks, aligned with blocks
-    final_sent: bool = False
+    forwarded: bool = False  # handed to the workers in a plan (they put it, whenever it came to them first)
     cancelled: bool = False
 
-    def __post_init__(self) -> None:
-        self.pushed_upto = self.offset
+    @property
+    def settled(self) -> bool:
+        """The workers have it (they put and signal it before any later release), or it was cancelled."""
+        return self.forwarded or self.cancelled
+
+    def bind(self, xfer: str) -> Bind:
+        return Bind(xfer, self.engine, self.seq, tuple(self.blocks), self.offset, tuple(tuple(g) for g in self.extra))
 
 
 @dataclass
@@ -74,29 +76,29 @@ class _Source:
     failed: str | None = None
     finished: bool = False  # request_finished was called
     delay_freed: bool = False  # we told vLLM to keep the blocks: a release must follow
-    puts_issued: bool = False
     lease_until: float = 0.0  # a finished source not served by then is freed (renewals push it back)
     registered: float = field(default_factory=time.monotonic)
     holders: set[str] = field(default_factory=set)  # decode engines that asked for (renewed) this transfer
     debug_delay: bool = False
+    discover: bool = False  # a proxy's one-token discovery request (no KV moves)
     first_token: bool = False  # Splitwise order: the decode continues from the token this request samples
     first: int | None = None  # that token, once sampled
     first_told: set[str] = field(default_factory=set)  # decode engines it was sent to
-    considered: float | None = None  # when the prefill scheduler first wanted to run it (admission wait start)
+    scheduled: bool = False  # a plan named it (its workers know it): destinations may be forwarded
     ready_sent: set[str] = field(default_factory=set)  # decode engines told "ready" for this transfer
-    wait_done: bool = False  # its admission wait was recorded (it ran)
 
     def destinations_known(self) -> bool:
-        """Every expected destination arrived (or was cancelled): layer-wise push can start."""
+        """Every expected destination arrived (or was cancelled)."""
         return len(self.dsts) + self.cancels >= self.fanout
 
     def served(self) -> bool:
-        """No further destinations are expected."""
+        """No further destinations are expected, and the workers have every one that came (they put and signal
+        it before they carry out a release that follows it)."""
         if self.mode == "pull":  # every decode child asks (children allocated in one step share a message)
             asked = len(self.dsts) if self.fanout > 1 else self.msgs
-            return asked + self.cancels >= self.fanout and all(d.final_sent or d.cancelled for d in self.dsts)
-        done = sum(1 for d in self.dsts if d.final_sent or d.cancelled) + self.cancels
-        return done >= self.fanout and all(d.final_sent or d.cancelled for d in self.dsts)
+            return asked + self.cancels >= self.fanout and all(d.settled for d in self.dsts)
+        done = sum(1 for d in self.dsts if d.settled) + self.cancels
+        return done >= self.fanout and all(d.settled for d in self.dsts)
 
 
 def _groups(block_ids: Any) -> list[list[int]]:
@@ -114,7 +116,6 @@ class Producer:
         self.side = side
         self.settings = side.settings
         self.num_groups = side.num_groups
-        self.planner = PushPlanner(side.settings, side.block_size, side.num_groups, side._unlike)
         self.counters = side.counters  # shared with the common part (it reports and resets them)
         self.sources: dict[str, _Source] = {}
         self.src_by_req: dict[str, _Source] = {}
@@ -128,38 +129,15 @@ class Producer:
         self.family_asked: dict[str, int] = {}
         self.holds: dict[str, tuple[float, set[str]]] = {}  # xfer -> (expiry, engines): renewed before registered
         self.foreign_refused = 0  # dst / cancel naming another decode engine's request (log and tests)
-        self.dst_waits: list[float] = []  # seconds prefill requests waited for their destinations (stats)
         self._releases: list[str] = []
-        self._whole: list[Push] = []
+        self._cancels: list[tuple[str, str]] = []  # (xfer, seq) destinations the workers must stop putting to
+        self._dropped: list[str] = []  # prefill requests given up: the workers forget them
 
     @property
     def server(self) -> SideChannelServer | None:
         return self.side.server
 
     # ------------------------------------------------------------------ vLLM hooks (prefill requests)
-    def waits_for_destinations(self, rid: str) -> bool:
-        """Prefill: whether push-flow request ``rid`` should wait (bounded by ``dst_wait``) for its decode's
-        destination blocks before it runs. Tells the decodes that hold the transfer to allocate now."""
-        src = self.src_by_req.get(rid)
-        if (src is None or src.mode != "push" or self.settings.mode != "push" or src.failed is not None
-                or src.complete or src.wait_done):
-            return False
-        now = time.monotonic()
-        if src.considered is None:
-            src.considered = now
-        if not src.destinations_known():
-            self.side._drain_inbox(now)
-        if not src.destinations_known() and self.settings.dst_wait > 0:
-            self._send_ready(src)
-            if now - src.considered < self.settings.dst_wait:
-                return True
-            self.counters["dst_wait_timeouts"] += 1
-            log.warning("kvtransport: prefill request %s (transfer %s) runs without its destination after "
-                        "waiting %gs (dst_wait); its KV goes after the forward", rid, src.xfer, self.settings.dst_wait)
-        src.wait_done = True
-        self.dst_waits.append(now - src.considered)
-        return False
-
     def _send_ready(self, src: _Source) -> None:
         """Tell each decode engine holding ``src``'s transfer (and not told yet) that it may allocate now."""
         if self.server is None:
@@ -182,8 +160,8 @@ class Producer:
             src = self.register_source(request)
         src.finished = True
         if src.failed is not None:  # given up while computed (its decode went away)
-            if src.puts_issued:
-                src.delay_freed = True  # released once the puts already issued are flushed
+            if src.scheduled:  # its workers may have put from its blocks: released once those puts are flushed
+                src.delay_freed = True
                 return True, None
             self._drop_source(rid)
             return False, None
@@ -216,26 +194,25 @@ class Producer:
             return True, out
         src.failed = f"prefill request {rid} ended with {status}"
         self._fail_dsts(src, src.failed)
-        if src.puts_issued:
+        if src.scheduled:
             src.delay_freed = True
             return True, None
         self._drop_source(rid)
         return False, None
 
     def has_pending_work(self) -> bool:
-        """True while destinations wait for their prefill request, or pushes/releases are queued."""
-        return bool(self.orphans or self._whole or self._releases)
-
-    def awaits_destinations(self) -> bool:
-        """Whether a prefill request waits (``dst_wait``) for its destination."""
-        return any(s.considered is not None and not s.wait_done for s in self.src_by_req.values())
+        """True while destinations wait for their prefill request, or releases or cancels are queued."""
+        return bool(self.orphans or self._releases or self._cancels or self._dropped)
 
     # ------------------------------------------------------------------ per step
     def plan_step(self, scheduler_output: Any, plan: StepPlan, now: float) -> None:
-        """This step's pushes and releases."""
+        """This step's sources (what the forward computes), the destinations the workers do not have yet,
+        cancels and releases. The workers carry them out in this order: a destination is put and signalled before
+        a release that follows it."""
         self._plan_scheduled(scheduler_output, plan)
-        self._plan_completed(now)
-        plan.whole_pushes, self._whole = self._whole, []
+        self._plan_completed(plan, now)
+        plan.cancels, self._cancels = self._cancels, []
+        plan.dropped, self._dropped = self._dropped, []
         plan.send_release, self._releases = self._releases, []
 
     def on_event(self, ev: tuple[Any, ...], now: float) -> None:
@@ -268,6 +245,7 @@ class Producer:
         fanout = int(params.get("kvt_fanout", 1) or 1)
         src = _Source(rid, xfer, "push" if push else "pull", max(1, fanout), int(request.num_prompt_tokens),
                       debug_delay=bool(params.get("kvt_debug_delay")) and self.settings.debug_push_delay > 0,
+                      discover=bool(params.get("kvt_discover")),
                       first_token=push and params.get("kvt_first_token") is True)
         trace.event("p.new", xfer, req=rid)
         self.src_by_req[rid] = src
@@ -305,7 +283,10 @@ class Producer:
             self.family_asked[fam] = self.family_asked.get(fam, 0) + count
 
     def _drop_source(self, rid: str) -> None:
+        """Forget prefill request ``rid``; its workers forget it too (with its release, or told here)."""
         src = self.src_by_req.pop(rid, None)
+        if src is not None and src.scheduled and not src.delay_freed and rid not in self._dropped:
+            self._dropped.append(rid)
         fam = self._family(src) if src is not None else None
         if fam is not None:
             left = self.family_size.get(fam, 1) - 1
@@ -402,8 +383,7 @@ class Producer:
             src.msgs += 1
             self._family_asks(src, len(dsts))
             if not known and src.destinations_known():
-                trace.event("p.dst", src.xfer, req=src.req_id,
-                            wait=round(now - src.considered, 6) if src.considered is not None else None)
+                trace.event("p.dst", src.xfer, req=src.req_id)
             if src.first is not None:
                 self._tell_first(src)
         elif mtype == "cancel":
@@ -425,7 +405,7 @@ class Producer:
                 return
             for d in src.dsts:
                 if d.seq in seqs:
-                    d.cancelled = True
+                    self._cancel(src, d)
             src.cancels += count
             self._family_asks(src, count)
         else:
@@ -446,13 +426,13 @@ class Producer:
                 trace.event("p.first_sent", src.xfer, engine=engine)
 
     def _plan_scheduled(self, so: Any, plan: StepPlan) -> None:
-        layerwise = self.settings.mode == "push"
+        """The sources this step computes (their blocks so far and the prompt tokens it adds), for the workers."""
         for nd in so.scheduled_new_reqs:
             src = self.src_by_req.get(nd.req_id)
             if src is not None:
                 src.blocks = list(nd.block_ids[0]) if nd.block_ids else []
                 src.extra = [list(g) for g in nd.block_ids[1:]] if nd.block_ids else []
-                self._advance(src, nd.num_computed_tokens, so.num_scheduled_tokens.get(nd.req_id, 0), layerwise, plan)
+                self._advance(src, nd.num_computed_tokens, so.num_scheduled_tokens.get(nd.req_id, 0), plan)
         cached = so.scheduled_cached_reqs
         resumed: set[str] = getattr(cached, "resumed_req_ids", None) or set()
         for i, rid in enumerate(cached.req_ids):
@@ -460,40 +440,49 @@ class Producer:
             if src is None:
                 continue
             new_ids = cached.new_block_ids[i]
-            if rid in resumed:
+            if rid in resumed:  # preempted, recomputed into new blocks (what was put stays put: same KV)
                 src.blocks = list(new_ids[0]) if new_ids else []
                 src.extra = [list(g) for g in new_ids[1:]] if new_ids else []
-                for d in src.dsts:  # preempted: recomputed from scratch, so re-push everything
-                    if not d.final_sent:
-                        d.pushed_upto = d.offset
             elif new_ids:
                 src.blocks.extend(new_ids[0])
                 for g, more in enumerate(new_ids[1:]):
                     while len(src.extra) <= g:
                         src.extra.append([])
                     src.extra[g].extend(more)
-            self._advance(src, cached.num_computed_tokens[i], so.num_scheduled_tokens.get(rid, 0), layerwise, plan)
+            self._advance(src, cached.num_computed_tokens[i], so.num_scheduled_tokens.get(rid, 0), plan)
 
-    def _advance(self, src: _Source, before: int, scheduled: int, layerwise: bool, plan: StepPlan) -> None:
-        if before >= src.prompt_len or scheduled <= 0 or src.failed is not None:
+    def _advance(self, src: _Source, before: int, scheduled: int, plan: StepPlan) -> None:
+        """``src`` computes prompt tokens ``[before, before + scheduled)`` in this step: tell the workers (they put
+        its layers into the destinations bound so far as the forward computes them), and the decodes holding it
+        that it runs (they may allocate now)."""
+        if before >= src.prompt_len or scheduled <= 0 or src.failed is not None or src.discover:
             return
         after = min(before + scheduled, src.prompt_len)
         src.computed = after
+        if not src.scheduled:
+            src.scheduled = True
+            self._send_ready(src)
         if after >= src.prompt_len:
             trace.event("p.scheduled", src.xfer, req=src.req_id)
-        if not (layerwise and src.mode == "push"):
-            return
-        self.planner.layer_pushes(src, after, plan.layer_pushes)
+        plan.sources.append(SourceStep(
+            src.req_id, src.xfer, src.prompt_len, (tuple(src.blocks), *(tuple(g) for g in src.extra)), before, after,
+            layerwise=self.settings.mode == "push" and src.mode == "push",
+            delay=self.settings.debug_push_delay if src.debug_delay else 0.0))
 
-    def _plan_completed(self, now: float) -> None:
+    def _plan_completed(self, plan: StepPlan, now: float) -> None:
+        """Hand the workers the destinations they do not have yet (of sources they know), and release the sources
+        that are served (after those destinations: the workers put and signal them first), failed, or whose lease
+        expired."""
         for src in list(self.src_by_req.values()):
-            if src.complete and src.failed is None:
-                self.planner.whole_pushes(src, self._whole)
+            if (src.scheduled or src.complete) and src.failed is None:
+                for d in src.dsts:
+                    if not d.settled:
+                        plan.binds.append(d.bind(src.xfer))
+                        d.forwarded = True
             if not src.finished:
                 continue
             if self._family(src) is not None:  # a family's pulls may go to any one of its sources
-                done = src.failed is not None or (
-                    self._family_served(src) and all(d.final_sent or d.cancelled for d in src.dsts))
+                done = src.failed is not None or (self._family_served(src) and all(d.settled for d in src.dsts))
             else:
                 done = src.failed is not None or src.served()
             if not done and now >= src.lease_until:
@@ -503,6 +492,8 @@ class Producer:
                 self.counters["lease_expirations"] += 1
                 done = True
             if done:
+                if src.failed is not None and src.scheduled:  # no further puts from it (then flushed, released)
+                    self._dropped.append(src.req_id)
                 if src.delay_freed:
                     self._releases.append(src.req_id)
                 self._drop_source(src.req_id)
@@ -515,7 +506,7 @@ class Producer:
             if src is not None:
                 src.holders.add(engine)
                 src.lease_until = max(src.lease_until, until)
-                if src.considered is not None or src.complete:  # it runs (or ran): this decode may allocate
+                if src.scheduled or src.complete:  # it runs (or ran): this decode may allocate
                     self._send_ready(src)
                 if src.first is not None:
                     self._tell_first(src)
@@ -540,7 +531,7 @@ class Producer:
                 continue
             src.holders.discard(engine)
             for d in mine:
-                d.cancelled = True
+                self._cancel(src, d)
             if src.failed is None and not src.holders and not any(not d.cancelled for d in src.dsts):
                 src.failed = f"decode engine {engine} disconnected ({reason})"
                 self.counters["decode_disconnects"] += 1
@@ -549,9 +540,15 @@ class Producer:
 
     def _fail_dsts(self, src: _Source, reason: str) -> None:
         for d in src.dsts:
-            if not d.final_sent and not d.cancelled:
+            if not d.cancelled:
                 self.send_fail(d.engine, [d.seq], reason)
-                d.cancelled = True
+                self._cancel(src, d)
+
+    def _cancel(self, src: _Source, d: _Dst) -> None:
+        """No more puts to ``d`` (told to the workers when they have it)."""
+        if not d.cancelled and d.forwarded:
+            self._cancels.append((src.xfer, d.seq))
+        d.cancelled = True
 
     def send_fail(self, engine: str, seqs: list[str], reason: str) -> None:
         log.warning("kvtransport: transfer to %s %s failed: %s", engine, seqs, reason)

@@ -10,7 +10,10 @@ Handshake (both sides prove ``KV_TRANSPORT_SECRET`` when it is set, with the cor
                       nothing else; an authenticated incompatible one the *names* of the differing fields
 
 Before it proves the secret a peer may send one frame of at most ``MAX_HELLO`` bytes within the handshake
-timeout. Then the client sends ``dst`` / ``cancel`` / ``renew`` messages (checked by :func:`check_message`;
+timeout. A prefill's welcome names its workers' destination channels (``worker_at``); a decode opens one
+to each (the same handshake, without the compatibility check, which the scheduler's channel made) and sends its
+``dst`` messages there too, so they reach the workers without the prefill's engine loop. Then the client sends
+``dst`` / ``cancel`` / ``renew`` messages (checked by :func:`check_message`;
 a malformed one is dropped, the connection stays), the server sends ``fail``, ``ready``, ``first`` (the first
 token a prefill request sampled, which the decode continues from) and ``ping`` (ignored: it probes whether the
 connection is still alive).
@@ -31,7 +34,7 @@ from typing import Any
 from kvtransport import wire
 from kvtransport.errors import KVTransportError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_MESSAGE = 64 << 20
 MAX_HELLO = 4 << 20
 """Bytes an unauthenticated peer may send (its one hello frame, carrying its workers' metadata)."""
@@ -104,6 +107,38 @@ def check_senders(raw: Any) -> dict[int, str]:
         if isinstance(rank, str) and rank.isdigit() and isinstance(instance, str) and 0 < len(instance) <= 64:
             out[int(rank)] = instance
     return out
+
+
+MAX_WORKER_LINKS = 64
+"""Prefill workers a decode opens a direct destination channel to (per prefill engine); a welcome naming more
+is trimmed to the lowest ranks (the rest still get their destinations through the prefill's scheduler)."""
+
+
+def check_worker_at(raw: Any) -> dict[int, tuple[str, int]]:
+    """A welcome's ``worker_at`` (tp rank -> [host, port] of that prefill worker's destination channel) as
+    {int: (str, int)}: what does not fit (types, a host that is not an IP address or a hostname of at most 253
+    characters, a port outside 1..65535) is left out, and at most MAX_WORKER_LINKS ranks are kept. Never
+    raises."""
+    import ipaddress
+    import re
+
+    if not isinstance(raw, dict):
+        return {}
+    out: dict[int, tuple[str, int]] = {}
+    for rank, at in raw.items():
+        if not (isinstance(rank, str) and rank.isdigit() and len(rank) <= 4 and isinstance(at, list)
+                and len(at) == 2):
+            continue
+        host, port = at
+        if not isinstance(host, str) or isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            continue
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            if not (0 < len(host) <= 253 and re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?", host)):
+                continue
+        out[int(rank)] = (host, port)
+    return dict(sorted(out.items())[:MAX_WORKER_LINKS])
 
 
 def parse_message(raw: bytes | str) -> dict[str, Any]:

@@ -1,10 +1,13 @@
 """The pusher: the thread of a prefill worker that issues every put/signal/flush (see :mod:`.worker`).
 
-``save_kv_layer`` hands each computed layer's puts to it (the forward never waits on the network). On CUDA it
-issues its copies on a stream of its own that waits (on the device, not the host) for an event recorded after
-the layer's kernels, so copies overlap the next layers' compute and never wait for work issued after them
-(which the legacy default stream would); a released request is reported ``finished_sending`` once its puts were
-flushed. All CommManager sender calls on a link happen on this thread (one thread per manager: the core's
+It keeps the worker's :class:`~.pushplan.PushPlanner`: the step's sources (from the plan), each computed layer
+(``save_kv_layer`` hands it over: the forward never waits on the network), and destinations, from the plan or
+straight from a decode over the worker's destination channel, whichever comes first. What the planner makes due
+it puts at once: everything already computed in one batched put when a destination binds late, then layer by
+layer. On CUDA it issues its copies on a stream of its own that waits (on the device, not the host) for an event
+recorded after the layer's kernels, so copies overlap the next layers' compute and never wait for work issued
+after them (which the legacy default stream would); a released request is reported ``finished_sending`` once its
+puts were flushed. All CommManager sender calls on a link happen on this thread (one thread per manager: the core's
 outbound links are not thread-safe). Connects do not: each destination is connected on a thread of its own,
 started as soon as the plan names the destination (bounded by ``connect_timeout``); meanwhile that
 destination's puts and signals wait in its own backlog (at most ``MAX_BACKLOG``), replayed in order once
@@ -25,7 +28,8 @@ import kvtransport
 from kvtransport import KVTransportError, Peer
 
 from . import trace
-from .metadata import Push, SendFailure
+from .metadata import Bind, Push, SendFailure
+from .pushplan import PushPlanner, PutOp, SignalOp
 
 log = logging.getLogger("vllm.kvtransport")
 
@@ -41,8 +45,18 @@ class Pusher:
     """The thread that issues every put/signal/flush of one worker (see the module docstring)."""
 
     def __init__(self, cm: kvtransport.CommManager, tp_rank: int, num_layers: int, timeout: float,
-                 cuda: bool = False, group_of: list[int] | None = None) -> None:
+                 cuda: bool = False, group_of: list[int] | None = None, block_size: int = 16,
+                 expand: Callable[[Push, dict[str, Any] | None], list[Push]] | None = None,
+                 unlike: Callable[[dict[str, Any]], bool] | None = None, lease: float = 30.0) -> None:
+        """``expand(push, geometry)``: the pushes a planned push becomes for a decode of that geometry (None:
+        like-for-like), raising LayoutError/KVTransportError/ValueError when it cannot be mapped; ``unlike(geo)``:
+        whether a decode's geometry differs from ours; ``lease``: how long a destination waits here for its
+        prefill request."""
         self.cm = cm
+        self.expand = expand or (lambda p, geo: [p])
+        self.is_unlike = unlike or (lambda geo: False)
+        self.lease = lease
+        self.peer_geometry: dict[str, dict[str, Any]] = {}
         self.group_of = group_of or [0] * num_layers  # layer -> its KV cache group
         self.group_layers: dict[int, list[int]] = defaultdict(list)
         for layer, g in enumerate(self.group_of):
@@ -76,6 +90,8 @@ class Pusher:
         self.failures: list[SendFailure] = []
         self.sent_layerwise = 0
         self.sent_whole = 0
+        self.direct_unknown = 0  # destinations from a decode engine the scheduler has not introduced yet (ignored)
+        self.planner = PushPlanner(self.group_of, block_size, self._geometry_if_unlike)
         self.thread = threading.Thread(target=self._run, name="kvt-pusher", daemon=True)
         self.thread.start()
 
@@ -128,6 +144,8 @@ class Pusher:
         if self.delayed:
             due = max(0.0, min(d for d, _, _ in self.delayed) - time.monotonic())
             timeout = due if timeout is None else min(timeout, due)
+        if self.planner.pending:  # destinations waiting for their prefill request expire
+            timeout = 1.0 if timeout is None else min(timeout, 1.0)
         return timeout
 
     def _housekeeping(self) -> None:
@@ -140,6 +158,9 @@ class Pusher:
                     self._signal_all(kind, pushes)
             if self.releasing:
                 self._flush_releases()
+            for b in self.planner.expire(now - self.lease):
+                log.warning("kvtransport: destination %s of transfer %s (decode engine %s) dropped: its prefill "
+                            "request did not reach this worker within %gs", b.seq, b.xfer, b.engine, self.lease)
         except Exception:  # never let the pusher die
             log.exception("kvtransport pusher: housekeeping failed")
 
@@ -150,28 +171,78 @@ class Pusher:
     def _do(self, job: tuple[Any, ...]) -> None:
         kind = job[0]
         if kind == "peers":
+            self.peer_geometry.update(job[3])
             self.peer_meta.update(job[1])
             for engine, ranks in job[2].items():  # the destination ranks we serve: connected at once
                 for rank in ranks:
                     self._start_connect((engine, rank))
         elif kind == "connected":
             self._connected(job[1], job[2])
+        elif kind == "plan":  # the step's sources, destinations the scheduler learnt, cancels, given-up sources
+            _, sources, binds, cancels, dropped = job
+            now = time.monotonic()
+            self._run_ops(self.planner.step(sources, now) if sources else [])
+            for b in binds:
+                self._bind(b, now)
+            for xfer, seq in cancels:
+                self.planner.cancel(xfer, seq)
+            for rid in dropped:
+                self.planner.forget(rid)
         elif kind == "layer":
-            _, layer, pushes, event = job
+            _, layer, event = job
             self._after(event)
-            for p in pushes:
-                if p.group == self.group_of[layer]:
-                    self._put(p, layer, signal_layer=p.final)
-        elif kind == "signal":
-            self._signal_later("layerwise", list(job[1]))
-        elif kind == "whole":
-            whole: Push = job[1]
-            self._after(job[2])
-            self._put(whole, None)  # every layer in one call (one device launch on CUDA IPC paths)
-            if whole.group == 0:  # the other groups' pushes of the request came first
-                self._signal_later("whole", [whole])
+            self._run_ops(self.planner.layer(layer))
+        elif kind == "step_end":
+            self._after(job[1])
+            self._run_ops(self.planner.step_end())
+        elif kind == "msg":  # the destination channel: a decode's dst, straight from it
+            self._direct(str(job[1]), job[2])
         elif kind == "release":
             self.releasing.append(job[1])
+        # "hello" / "bye" of the destination channel: nothing to do
+
+    def _geometry_if_unlike(self, engine: str) -> dict[str, Any] | None:
+        geo = self.peer_geometry.get(engine)
+        return geo if geo is not None and self.is_unlike(geo) else None
+
+    def _bind(self, b: Bind, now: float) -> None:
+        ops, what = self.planner.bind(b, now)
+        if what.startswith("refused"):
+            log.warning("kvtransport: destination %s of transfer %s from decode engine %s %s", b.seq, b.xfer, b.engine,
+                        what)
+        elif what in ("before", "during", "after"):
+            trace.event("w.bind", b.xfer, seq=b.seq, phase=what)
+        self._run_ops(ops)
+
+    def _direct(self, engine: str, msg: dict[str, Any]) -> None:
+        """A checked message from a decode's link to our destination channel: bind its destinations."""
+        if msg.get("type") != "dst":
+            return
+        if engine not in self.peer_meta:  # not introduced by our scheduler yet: its plan brings the same dst
+            self.direct_unknown += 1
+            return
+        now = time.monotonic()
+        for d in msg.get("dsts", []):
+            self._bind(Bind(str(msg["xfer"]), engine, d["seq"], tuple(d["blocks"]), d["offset"],
+                            tuple(tuple(g) for g in d.get("groups", []))), now)
+
+    def _run_ops(self, ops: list[PutOp | SignalOp]) -> None:
+        """Carry out the planner's puts and signals (each planned push mapped onto what we put: unit runs, one
+        push per destination rank for unlike decodes); a push that cannot be mapped fails (its decode is told)."""
+        for op in ops:
+            try:
+                pushes = self.expand(op.push, self._geometry_if_unlike(op.push.engine))
+            except (kvtransport.LayoutError, KVTransportError, KeyError, ValueError) as exc:
+                reason = f"cannot map the KV of {op.push.req_id} onto decode engine {op.push.engine}: {exc}"
+                log.warning("kvtransport: %s", reason)
+                with self.lock:
+                    self.failures.append(SendFailure(op.push.seq, op.push.engine, reason))
+                continue
+            if isinstance(op, PutOp):
+                for p in pushes:
+                    self._put(p, op.layers, signal_layers=op.signal_layers)
+            else:
+                self._signal_later(op.kind, pushes)
 
     def _after(self, event: Any) -> None:
         """Order the next puts after ``event`` (recorded on the forward's stream): on our stream, on the device."""
@@ -275,27 +346,27 @@ class Pusher:
                 except KVTransportError:
                     pass
 
-    def _put(self, p: Push, layer: int | None, *, signal_layer: bool = False) -> None:
-        """One layer of ``p`` (and its layer signal), or with ``layer`` None every layer in one call (a
-        request whose KV is already computed: pull mode, or a whole-request push)."""
+    def _put(self, p: Push, layers: tuple[int, ...], *, signal_layers: bool = False) -> None:
+        """``p`` into ``layers`` (one put for them all: one device launch on the CUDA IPC paths), then, with
+        ``signal_layers``, each layer's signal."""
         if p.seq in self.failed_seqs:
             return
         try:
             self.touched[p.req_id].add(self._link(p))
-            peer = self._peer(p, lambda: self._put(p, layer, signal_layer=signal_layer))
+            peer = self._peer(p, lambda: self._put(p, layers, signal_layers=signal_layers))
             if peer is None:
                 return
-            layers = (layer,) if layer is not None else self.group_layers[p.group] if self.groups > 1 else None
             if p.runs is not None:
                 if p.runs:
                     self.cm.put_runs(peer, p.seq, layers, p.runs)
             elif p.src:
-                if layer is None:
-                    self.cm.put_layers(peer, p.seq, layers, p.src, p.dst)
+                if len(layers) == 1:
+                    self.cm.put_layer(peer, p.seq, layers[0], p.src, p.dst)
                 else:
-                    self.cm.put_layer(peer, p.seq, layer, p.src, p.dst)
-            if signal_layer and layer is not None:
-                self.cm.signal_layer(peer, p.seq, layer)
+                    self.cm.put_layers(peer, p.seq, layers, p.src, p.dst)
+            if signal_layers:
+                for layer in layers:
+                    self.cm.signal_layer(peer, p.seq, layer)
         except KVTransportError as exc:
             self._fail(p, exc)
 
@@ -331,5 +402,7 @@ class Pusher:
             except KVTransportError as exc:
                 log.warning("kvtransport: flush towards %s rank %d failed: %s", link[0], link[1], exc)
                 self.peers.pop(link, None)
+        for rid in reqs:
+            self.planner.forget(rid)
         with self.lock:
             self.finished_sending.update(reqs)

@@ -1,121 +1,307 @@
-"""The pushes (:class:`~.metadata.Push`) that put a prefill request's KV into its destinations.
+"""Which KV a prefill worker puts into each destination, and when: start now, bind late.
 
-Like-for-like destinations get block pairs, one push per KV cache group (with several groups, pairs where
-either side holds vLLM's null block are left out); an unlike decode (other TP size, block size or head order)
-gets token ranges with the blocks that hold them, which the workers map (:mod:`kvtransport.reshard`). Planning
-only: it reads and advances the records of :mod:`.producer` (what was pushed to each destination), nothing else.
+A push-flow prefill request runs the moment the prefill scheduler takes it; its decode's destination blocks
+(:class:`Bind`) reach the worker whenever they come: before the request's first layer, in the middle of a
+forward, between two prefill chunks or after the prompt is computed. This module is the worker's bookkeeping of
+both (pure: no I/O, no thread; the pusher thread calls it and carries out the :class:`PutOp` / :class:`SignalOp`
+it returns):
+
+* per source (a prefill request of this engine), what is computed: every layer up to ``done`` tokens, and during
+  a step the layers already visited up to the step's ``stop``;
+* per destination and layer, how far its KV was put (``pushed``, in prompt tokens).
+
+When a destination binds, every layer already computed goes in one batched put per distinct range (at most two
+per KV cache group: the layers of the current step and the others); then each newly computed layer goes as the
+forward reaches it. Like-for-like destinations get whole blocks: a block is put once it is complete (or, at the
+prompt's end, once the prompt is), so every block of every layer is written exactly once; unlike destinations
+(other TP size, block size or head order) get exact token ranges, mapped by the worker (:mod:`kvtransport.reshard`).
+The sequence's signal follows once every layer of it was put. With several KV cache groups, pairs where either
+side holds vLLM's null block (a sliding window's skipped blocks) are left out.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
 
-from .config import ConnectorSettings
-from .metadata import NULL_BLOCK, Push
+from .metadata import NULL_BLOCK, Bind, Push, SourceStep
 
-if TYPE_CHECKING:
-    from .producer import _Dst, _Source
+MAX_PENDING = 4096
+"""Transfers whose destination came before the worker heard of their prefill request (held for a lease)."""
+MAX_PENDING_PER_XFER = 64
+"""Destinations held for one such transfer (``n`` of a decode request)."""
+
+BEFORE, DURING, AFTER = "before", "during", "after"
+"""When a destination bound, relative to its source's forward: before its first layer was computed, while the
+prompt was being computed, after it was complete."""
+
+
+@dataclass(frozen=True)
+class PutOp:
+    """Put ``push`` into layers ``layers`` (one put per layer set). ``signal_layers``: signal each of those layers
+    after its put (the prompt's last chunk, put layer by layer as it is computed)."""
+
+    push: Push
+    layers: tuple[int, ...]
+    signal_layers: bool = False
+
+
+@dataclass(frozen=True)
+class SignalOp:
+    """Every layer of ``push.seq`` was put: signal the sequence (``kind``: "layerwise" when the destination was
+    known while the prompt was computed, "whole" when it came after)."""
+
+    push: Push
+    kind: str
+
+
+Op = PutOp | SignalOp
+
+
+@dataclass
+class _Dst:
+    bind: Bind
+    geo: dict[str, Any] | None  # the decode's geometry when it differs from ours (token ranges), else None
+    pushed: list[int]  # per layer: prompt tokens put so far
+    phase: str
+    final_sent: bool = False
+    cancelled: bool = False
+
+
+@dataclass
+class _Source:
+    step: SourceStep
+    done: int = 0  # prompt tokens computed in every layer
+    running: tuple[int, int] | None = None  # the step being computed
+    step_layers: set[int] = field(default_factory=set)  # layers of that step computed so far
+    seen_layer: bool = False
+    dsts: dict[str, _Dst] = field(default_factory=dict)  # decode request -> destination
+
+    @property
+    def complete(self) -> bool:
+        return self.running is None and self.done >= self.step.prompt_len
 
 
 class PushPlanner:
-    """Pushes of this prefill (``block_size``, ``num_groups``) to destinations; ``unlike(engine)`` is a decode
-    engine's geometry when it differs from ours (None: like-for-like)."""
+    """The worker's pushes (see the module docstring). ``group_of``: layer -> KV cache group; ``block_size``: this
+    worker's; ``unlike(engine)``: decode ``engine``'s geometry when it differs from ours (None: like-for-like).
+    Not thread-safe: one thread (the pusher) calls it."""
 
-    def __init__(self, settings: ConnectorSettings, block_size: int, num_groups: int,
+    def __init__(self, group_of: list[int], block_size: int,
                  unlike: Callable[[str], dict[str, Any] | None]) -> None:
-        self.settings = settings
+        self.group_of = list(group_of)
+        self.num_layers = len(group_of)
         self.block_size = block_size
-        self.num_groups = num_groups
+        self.hybrid = len(set(group_of)) > 1
         self.unlike = unlike
+        self.sources: dict[str, _Source] = {}  # xfer -> source
+        self.by_req: dict[str, str] = {}  # prefill request -> xfer
+        self.active: list[_Source] = []  # sources of the step being computed
+        self.pending: OrderedDict[str, list[tuple[float, Bind]]] = OrderedDict()  # xfer -> early destinations
+        self.counts: dict[str, int] = {BEFORE: 0, DURING: 0, AFTER: 0, "refused": 0, "duplicate": 0}
 
-    def layer_pushes(self, src: _Source, after: int, out: list[Push]) -> None:
-        """Layer-wise: the prompt of ``src`` is computed up to token ``after`` (all of it: the final pushes, which
-        signal); queue what its live destinations have not been sent yet."""
+    # ------------------------------------------------------------------ events (pusher thread, in order)
+    def step(self, steps: Iterable[SourceStep], now: float = 0.0) -> list[Op]:
+        """A step starts computing these sources (the plan, before the forward). Destinations that came early
+        bind now."""
+        ops: list[Op] = []
+        self.active = []
+        for st in steps:
+            src = self.sources.get(st.xfer)
+            if src is None:
+                src = self.sources[st.xfer] = _Source(st)
+                self.by_req[st.req_id] = st.xfer
+            src.step = st
+            src.done = min(st.start, st.prompt_len)  # the scheduler's count: a prefix-cache hit is computed
+            src.running = (src.done, min(st.stop, st.prompt_len))
+            src.step_layers = set()
+            self.active.append(src)
+            for _, b in self.pending.pop(st.xfer, []):
+                ops += self.bind(b, now)[0]
+        return ops
+
+    def layer(self, idx: int) -> list[Op]:
+        """The forward reached layer ``idx`` (its KV for this step's tokens is enqueued): put it."""
+        ops: list[Op] = []
+        for src in self.active:
+            if src.running is None:
+                continue
+            src.step_layers.add(idx)
+            src.seen_layer = True
+            if not src.step.layerwise:
+                continue
+            for d in src.dsts.values():
+                if not (d.final_sent or d.cancelled):
+                    ops += self._catch_up(src, d, (idx,), single=True)
+        return ops
+
+    def step_end(self) -> list[Op]:
+        """The step's forward is done (every layer enqueued): what waited for it goes (sources that put only
+        once complete, layers the forward did not visit), and complete sources are signalled."""
+        ops: list[Op] = []
+        for src in self.active:
+            if src.running is not None:
+                src.done = src.running[1]
+                src.running = None
+                src.step_layers = set()
+            for d in src.dsts.values():
+                if not (d.final_sent or d.cancelled) and (src.step.layerwise or src.complete):
+                    ops += self._catch_up(src, d, range(self.num_layers))
+        self.active = []
+        return ops
+
+    def bind(self, b: Bind, now: float = 0.0) -> tuple[list[Op], str]:
+        """A destination arrived (from the scheduler's plan or straight from the decode). Returns the puts and
+        signal it makes due now, and what happened: ``before`` / ``during`` / ``after`` (its source's forward),
+        ``duplicate`` (bound already), ``pending`` (its source is not known here yet) or ``refused: why``."""
+        src = self.sources.get(b.xfer)
+        if src is None:
+            held = self.pending.get(b.xfer)
+            if held is None:
+                if len(self.pending) >= MAX_PENDING:
+                    return [], "refused: too many destinations wait for their prefill request"
+                held = self.pending[b.xfer] = []
+            if any(x.seq == b.seq for _, x in held):
+                return [], "duplicate"
+            if len(held) >= MAX_PENDING_PER_XFER:
+                return [], "refused: too many destinations for one transfer"
+            held.append((now, b))
+            return [], "pending"
+        old = src.dsts.get(b.seq)
+        if old is not None:
+            if old.bind.engine != b.engine:
+                self.counts["refused"] += 1
+                return [], f"refused: request {b.seq} of transfer {b.xfer} belongs to decode engine {old.bind.engine}"
+            self.counts["duplicate"] += 1
+            return [], "duplicate"
+        groups = len(src.step.groups)
+        if len(b.groups) != groups - 1:
+            self.counts["refused"] += 1
+            return [], (f"refused: KV cache groups differ: decode {len(b.groups) + 1}, prefill {groups} (run both "
+                        "with the same model and HMA setting)")
+        geo = self.unlike(b.engine)
+        first = b.offset * (int(geo["block_size"]) if geo is not None else self.block_size)
+        phase = AFTER if src.complete else DURING if src.seen_layer else BEFORE
+        d = _Dst(b, geo, [first] * self.num_layers, phase)
+        src.dsts[b.seq] = d
+        self.counts[phase] += 1
+        ops: list[Op] = []
+        if src.step.layerwise or src.complete:
+            ops = self._catch_up(src, d, range(self.num_layers))
+        return ops, phase
+
+    def cancel(self, xfer: str, seq: str) -> None:
+        """No more puts to ``seq`` (the decode cancelled it, or another engine owns it)."""
+        src = self.sources.get(xfer)
+        if src is not None and seq in src.dsts:
+            src.dsts[seq].cancelled = True
+        held = self.pending.get(xfer)
+        if held:
+            held[:] = [(t, b) for t, b in held if b.seq != seq]
+
+    def forget(self, req_id: str) -> None:
+        """The prefill request was released or failed: forget it (no more puts from its blocks)."""
+        xfer = self.by_req.pop(req_id, None)
+        if xfer is not None:
+            src = self.sources.pop(xfer, None)
+            if src is not None and src in self.active:
+                self.active.remove(src)
+        if xfer is not None:
+            self.pending.pop(xfer, None)
+
+    def expire(self, before: float) -> list[Bind]:
+        """Drop destinations that waited since before ``before`` for a prefill request that never came here."""
+        out: list[Bind] = []
+        for xfer in list(self.pending):
+            held = self.pending[xfer]
+            out += [b for t, b in held if t < before]
+            held[:] = [(t, b) for t, b in held if t >= before]
+            if not held:
+                del self.pending[xfer]
+        return out
+
+    # ------------------------------------------------------------------ planning
+    def _available(self, src: _Source, layer: int) -> int:
+        """Prompt tokens whose KV of ``layer`` is enqueued."""
+        if src.running is not None and layer in src.step_layers:
+            return src.running[1]
+        return src.done
+
+    def _target(self, src: _Source, d: _Dst, layer: int) -> int:
+        """How far ``layer`` of ``d`` may be put now: whole blocks (like-for-like), or exact tokens (unlike), and
+        never beyond what the destination holds or the source has blocks for."""
+        avail = self._available(src, layer)
+        plen = src.step.prompt_len
         bs = self.block_size
-        final = after >= src.prompt_len
-        upto = -(-after // bs)  # blocks holding computed tokens (last one maybe partial)
-        for d in src.dsts:
-            if d.final_sent or d.cancelled:
-                continue
-            geo = self.unlike(d.engine)
-            if geo is not None:
-                self._push_tokens(src, d, geo, d.pushed_tok, after, final, out)
-                continue
-            end = min(upto, d.offset + len(d.blocks), len(src.blocks))
-            lo = d.pushed_upto
-            if end > lo:
-                self._group_pushes(src, d, lo, end, final, out)
-                s_ids, d_ids = self._pairs(src.blocks[lo:end], d.blocks[lo - d.offset:end - d.offset])
-                out.append(Push(src.req_id, d.seq, d.engine, s_ids, d_ids, final, self._delay(src) if final else 0.0))
-                src.puts_issued = True
-            elif final:  # nothing left to put, still signal
-                out.append(Push(src.req_id, d.seq, d.engine, (), (), True, self._delay(src)))
-                src.puts_issued = True
-            d.pushed_upto = max(d.pushed_upto, after // bs)
-            d.final_sent = final
+        b = d.bind
+        if d.geo is None:
+            cap = min(plen, (b.offset + len(b.blocks)) * bs, len(src.step.groups[0]) * bs)
+            reach = plen if avail >= plen else avail // bs * bs
+        else:
+            dbs = int(d.geo["block_size"])
+            cap = min(plen, (b.offset + len(b.blocks)) * dbs, len(src.step.groups[0]) * bs)
+            reach = avail
+        return max(min(reach, cap), d.pushed[layer])
 
-    def whole_pushes(self, src: _Source, out: list[Push]) -> None:
-        """``src`` is complete: queue every live destination's whole KV (final)."""
-        n_src = -(-src.prompt_len // self.block_size)
-        for d in src.dsts:
-            if d.final_sent or d.cancelled:
-                continue
-            geo = self.unlike(d.engine)
-            if geo is not None:
-                self._push_tokens(src, d, geo, 0, src.prompt_len, True, out)
-                src.puts_issued = True
-                continue
-            n = max(0, min(len(d.blocks), n_src - d.offset, len(src.blocks) - d.offset))
-            self._group_pushes(src, d, d.offset, d.offset + n, True, out)
-            s_ids, d_ids = self._pairs(src.blocks[d.offset:d.offset + n], d.blocks[:n])
-            out.append(Push(src.req_id, d.seq, d.engine, s_ids, d_ids, True, self._delay(src)))
+    def _end(self, src: _Source, d: _Dst) -> int:
+        """What ``d`` receives in all: the prompt, cut to what the destination (and the source) hold."""
+        b = d.bind
+        bs = int(d.geo["block_size"]) if d.geo is not None else self.block_size
+        return max(min(src.step.prompt_len, (b.offset + len(b.blocks)) * bs, len(src.step.groups[0]) * self.block_size),
+                   b.offset * bs)
+
+    def _catch_up(self, src: _Source, d: _Dst, layers: Iterable[int], single: bool = False) -> list[Op]:
+        """Put ``layers`` of ``d`` up to their targets (layers with the same group and range in one put); then
+        the signal, once every layer reached the end and the source is complete (or its last layer was put)."""
+        by_range: dict[tuple[int, int, int], list[int]] = {}
+        for layer in layers:
+            lo, hi = d.pushed[layer], self._target(src, d, layer)
+            if hi > lo:
+                by_range.setdefault((self.group_of[layer], lo, hi), []).append(layer)
+        ops: list[Op] = []
+        end = self._end(src, d)
+        for (group, lo, hi), ls in by_range.items():
+            push = self._push(src, d, group, lo, hi)
+            if push is not None:
+                ops.append(PutOp(push, tuple(ls), signal_layers=single and hi >= end))
+            for layer in ls:
+                d.pushed[layer] = hi
+        if not d.final_sent and all(p >= end for p in d.pushed) and (
+                src.complete or (src.running is not None and src.running[1] >= src.step.prompt_len)):
             d.final_sent = True
-            src.puts_issued = True
+            kind = "whole" if d.phase == AFTER else "layerwise"
+            ops.append(SignalOp(self._signal_push(src, d), kind))
+        return ops
 
-    def _push_tokens(self, src: _Source, d: _Dst, geo: dict[str, Any], lo: int, hi: int, final: bool,
-                     out: list[Push]) -> None:
-        """Queue prompt tokens ``[lo, hi)`` of ``src`` for a destination ``d`` of an unlike decode (``geo``): a
-        token range with the blocks that hold it on both sides (the workers map heads and blocks). Tokens the
-        decode had already (its first ``d.offset`` blocks) and tokens beyond its blocks are left out."""
-        bs, dbs = self.block_size, int(geo["block_size"])
-        first = d.offset * dbs
-        lo = max(lo, first)
-        hi = min(hi, src.prompt_len, first + len(d.blocks) * dbs, len(src.blocks) * bs)
-        delay = self._delay(src) if final else 0.0
-        if hi > lo:
+    def _push(self, src: _Source, d: _Dst, group: int, lo: int, hi: int) -> Push | None:
+        """Prompt tokens ``[lo, hi)`` of KV cache group ``group`` into ``d`` (None: nothing to move there)."""
+        st, b = src.step, d.bind
+        sg = st.groups[group]
+        dg = b.blocks if group == 0 else b.groups[group - 1]
+        bs = self.block_size
+        if d.geo is None:  # whole blocks [lo/bs, ceil(hi/bs)); destination block i - offset
             s_lo, s_hi = lo // bs, -(-hi // bs)
-            d_lo, d_hi = (lo - first) // dbs, -(-(hi - first) // dbs)
-            for g, (sg, dg) in enumerate(zip(src.extra, d.extra, strict=False), start=1):
-                out.append(Push(src.req_id, d.seq, d.engine, tuple(sg[s_lo:s_hi]), tuple(dg[d_lo:d_hi]), final,
-                                start=lo, stop=hi, src_first=s_lo * bs, dst_first=first + d_lo * dbs, group=g))
-            out.append(Push(src.req_id, d.seq, d.engine, tuple(src.blocks[s_lo:s_hi]), tuple(d.blocks[d_lo:d_hi]),
-                            final, delay, start=lo, stop=hi, src_first=s_lo * bs, dst_first=first + d_lo * dbs))
-            src.puts_issued = True
-        elif final:  # nothing left to put, still signal
-            out.append(Push(src.req_id, d.seq, d.engine, (), (), True, delay, start=lo, stop=lo))
-            src.puts_issued = True
-        d.pushed_tok = max(d.pushed_tok, hi)
-        d.final_sent = final
+            pairs = list(zip(sg[s_lo:s_hi], dg[s_lo - b.offset:s_hi - b.offset], strict=False))
+            if self.hybrid:
+                pairs = [(x, y) for x, y in pairs if x != NULL_BLOCK and y != NULL_BLOCK]
+            if not pairs:
+                return None
+            return Push(st.req_id, b.seq, b.engine, tuple(x for x, _ in pairs), tuple(y for _, y in pairs), True,
+                        group=group)
+        dbs = int(d.geo["block_size"])
+        first = b.offset * dbs
+        s_lo, s_hi = lo // bs, -(-hi // bs)
+        d_lo, d_hi = (lo - first) // dbs, -(-(hi - first) // dbs)
+        return Push(st.req_id, b.seq, b.engine, tuple(sg[s_lo:s_hi]), tuple(dg[d_lo:d_hi]), True, start=lo, stop=hi,
+                    src_first=s_lo * bs, dst_first=first + d_lo * dbs, group=group)
 
-    def _pairs(self, src: list[int], dst: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Group 0's block pairs; with several groups (group 0 may be a sliding window's) null blocks are left out."""
-        if self.num_groups == 1:
-            return tuple(src), tuple(dst)
-        pairs = [(a, b) for a, b in zip(src, dst, strict=False) if a != NULL_BLOCK and b != NULL_BLOCK]
-        return tuple(a for a, _ in pairs), tuple(b for _, b in pairs)
-
-    @staticmethod
-    def _group_pushes(src: _Source, d: _Dst, lo: int, end: int, final: bool, out: list[Push]) -> None:
-        """Like-for-like pushes of prompt blocks ``[lo, end)`` for KV cache groups 1.. (before group 0's, which
-        signals): block pairs where neither side holds vLLM's null block (a sliding window's skipped blocks)."""
-        for g, (sg, dg) in enumerate(zip(src.extra, d.extra, strict=False), start=1):
-            pairs = [(a, b) for a, b in zip(sg[lo:end], dg[lo - d.offset:end - d.offset], strict=False)
-                     if a != NULL_BLOCK and b != NULL_BLOCK]
-            if pairs:
-                out.append(Push(src.req_id, d.seq, d.engine, tuple(a for a, _ in pairs), tuple(b for _, b in pairs),
-                                final, group=g))
-
-    def _delay(self, src: _Source) -> float:
-        """Test-only pause before ``src``'s final signal (``debug_push_delay`` and ``kvt_debug_delay``)."""
-        return self.settings.debug_push_delay if src.debug_delay else 0.0
+    def _signal_push(self, src: _Source, d: _Dst) -> Push:
+        """The push that names ``d``'s sequence for its signal (unlike peers: a token range the worker expands into
+        one part per destination rank)."""
+        b = d.bind
+        if d.geo is None:
+            return Push(src.step.req_id, b.seq, b.engine, (), (), True, src.step.delay)
+        lo = b.offset * int(d.geo["block_size"])
+        return Push(src.step.req_id, b.seq, b.engine, (), (), True, src.step.delay, start=lo, stop=lo)

@@ -54,8 +54,8 @@ __all__ = ["FINISHED_OK", "IDLE_INBOX_WAIT_S", "MAX_ORPHANS", "MAX_ORPHANS_PER_E
 log = logging.getLogger("vllm.kvtransport")
 
 IDLE_INBOX_WAIT_S = 0.003
-"""In a step that schedules nothing while a request waits for the side channel (a prefill for its destination,
-a decode for its first token), the scheduler waits this long for the next side-channel event instead of
+"""In a step that schedules nothing while a request waits for the side channel (a decode for its first token),
+the scheduler waits this long for the next side-channel event instead of
 returning at once: the reader thread that delivers it then gets the GIL without waiting out the interpreter's
 5 ms switch interval, which a busy-looping engine would otherwise impose on every hand-off. With 1 ms, the
 destination's hop into an idle prefill took 1.8 ms (p50, H200 serving run of 2026-12-02): the engine spent
@@ -102,7 +102,7 @@ class SchedulerSide:
         self.peer_geometry: dict[str, dict[str, Any]] = {}  # decode engine -> tp_size, block_size, kv_order
         self.unmappable: dict[str, str] = {}  # decode engine -> why its KV cache cannot take ours
         self._new_peers: set[str] = set()
-        self.counters: dict[str, int] = {"lease_expirations": 0, "decode_disconnects": 0, "dst_wait_timeouts": 0,
+        self.counters: dict[str, int] = {"lease_expirations": 0, "decode_disconnects": 0,
                                          "first_tokens_sent": 0, "first_tokens_received": 0}
         self.block_pool: Any = None  # vLLM's block pool (bind_gpu_block_pool): usage decides eager admission
         self._gauges_sent: dict[str, int] = {}  # gauge values last reported in stats
@@ -112,7 +112,7 @@ class SchedulerSide:
             self.server = SideChannelServer(self.host, settings.side_channel_port, engine_id, self.compat,
                                             self.inbox, settings.connect_timeout, lease=settings.lease,
                                             answer_now=self.prefill.answer_now, secret=settings.secret,
-                                            senders=self._sender_ids)
+                                            senders=self._sender_ids, worker_at=self._worker_at)
             self.port = self.server.port
             log.info("kvtransport connector: side channel of engine %s on %s:%d", engine_id, self.host, self.port)
 
@@ -140,17 +140,20 @@ class SchedulerSide:
         Thread-safe (read-only)."""
         return {str(r): str(m["instance"]) for r, m in self.worker_meta.items() if isinstance(m.get("instance"), str)}
 
+    def _worker_at(self) -> dict[str, list[Any]]:
+        """Our workers' destination channels by tp rank (told to decodes, which send their destinations there
+        too). Thread-safe (read-only)."""
+        out: dict[str, list[Any]] = {}
+        for r, m in self.worker_meta.items():
+            at = m.get("dst_at")
+            if isinstance(at, list | tuple) and len(at) == 2:
+                out[str(r)] = [str(at[0]), int(at[1])]
+        return out
+
     def geometry(self) -> dict[str, Any]:
         """What may differ between peers and is mapped (TP size, block size, head order); not hashed."""
         w0 = self.worker_meta.get(0) or {}
         return {"tp_size": self.tp_size, "block_size": self.block_size, "kv_order": w0.get("kv_order")}
-
-    def _unlike(self, engine: str) -> dict[str, Any] | None:
-        """Decode ``engine``'s geometry when it differs from ours (its KV is then mapped by token ranges)."""
-        geo = self.peer_geometry.get(engine)
-        if geo is None or geo == self.geometry():
-            return None
-        return geo
 
     def compat(self) -> tuple[str, dict[str, Any]]:
         """(hash, fields) both sides must agree on. Thread-safe (read-only)."""
@@ -212,14 +215,12 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Decode: claim the rest of the prompt for remote KV ``(n, True)`` once admitted (``Consumer._admit_now``),
-        ``(None, False)`` until then. Prefill: ``(None, False)`` while waiting up to ``dst_wait`` for the
-        destinations of a push-flow request (layer-wise push needs them before the first layer), else
-        ``(0, False)``. Never changes a request; may read the side channel's inbox (idempotent)."""
+        ``(None, False)`` until then. Prefill: ``(0, False)``, always at once: a prefill request never waits for
+        its destination (its workers bind it whenever it comes, :mod:`.pushplan`). Never changes a request; may
+        read the side channel's inbox (idempotent)."""
         kind = transfer_params_kind(request.kv_transfer_params)
         if kind == "decode" and self.decode is not None:
             return self.decode.get_num_new_matched_tokens(request, num_computed_tokens)
-        if kind == "prefill" and self.prefill is not None and self.prefill.waits_for_destinations(request.request_id):
-            return None, False
         return 0, False
 
     def bind_gpu_block_pool(self, block_pool: Any) -> None:
@@ -257,7 +258,7 @@ class SchedulerSide:
             self.decode.landed(finished_recving or set())
 
     def has_pending_push_work(self) -> bool:
-        """True while destinations wait for their prefill request, or pushes/releases are queued."""
+        """True while destinations wait for their prefill request, or releases/cancels are queued."""
         return (self.prefill is not None and self.prefill.has_pending_work()) or not self.inbox.empty()
 
     # ------------------------------------------------------------------ per step
@@ -280,11 +281,9 @@ class SchedulerSide:
         return plan
 
     def _awaits_side_channel(self) -> bool:
-        """Whether a request waits for a side-channel event: a prefill request for its destination, a decode
-        request for its first token."""
-        if self.decode is not None and self.decode.awaits_first_token():
-            return True
-        return self.prefill is not None and self.prefill.awaits_destinations()
+        """Whether a request waits for a side-channel event: a decode request for its first token (a prefill
+        request never waits)."""
+        return self.decode is not None and self.decode.awaits_first_token()
 
     def _drain_inbox(self, now: float, wait: float = 0.0) -> None:
         """Handle every queued side-channel event; with ``wait`` > 0, first wait that long for one (releasing
@@ -310,9 +309,8 @@ class SchedulerSide:
             self.prefill.expire(now)
 
     def stats_delta(self) -> dict[str, Any]:
-        """Scheduler-side counters since the last call (lease expirations, decodes lost with held blocks,
-        admission waits that ran out), the admission waits of prefill requests (seconds), and the decode's
-        gauges (requests waiting for admission / for their KV) when they changed."""
+        """Scheduler-side counters since the last call (lease expirations, decodes lost with held blocks, first
+        tokens) and the decode's gauges (requests waiting for admission / for their KV) when they changed."""
         out: dict[str, Any] = {k: v for k, v in self.counters.items() if v}
         for k in self.counters:  # in place: the roles hold this dict
             self.counters[k] = 0
@@ -320,8 +318,6 @@ class SchedulerSide:
             changed = {k: v for k, v in self.decode.gauges().items() if self._gauges_sent.get(k) != v}
             out.update(changed)
             self._gauges_sent.update(changed)
-        if self.prefill is not None and self.prefill.dst_waits:
-            out["dst_waits"], self.prefill.dst_waits = [round(t, 6) for t in self.prefill.dst_waits], []
         return out
 
     def shutdown(self) -> None:
@@ -378,10 +374,6 @@ class SchedulerSide:
     @property
     def foreign_refused(self) -> int:
         return self._prefill().foreign_refused
-
-    @property
-    def dst_waits(self) -> list[float]:
-        return self._prefill().dst_waits
 
     @property
     def clients(self) -> dict[tuple[str, int], PeerClient]:

@@ -12,6 +12,12 @@ the latency path), else queued for the connection's writer thread. Inbox events 
     ("lost", (host, port), reason)       client: an established connection to that prefill ended
     ("senders", (host, port), senders)   client: that prefill's workers' kvtransport instance ids (rank -> id)
     ("first", (host, port), xfer, token) client: that prefill sampled ``token`` as the first token of ``xfer``
+    ("workers", (host, port), worker_at) client: that prefill's workers' destination channels (rank -> (host, port))
+
+A prefill *worker* runs a server too (``compat=None``): its destination channel, which takes ``dst`` messages
+straight from decodes (no compatibility check: the scheduler's channel made it; the secret is proved the same
+way). Its events go to the pusher's queue. A decode reaches it with a ``PeerClient(..., worker=True)``, whose
+end fails nothing (the prefill's scheduler still forwards every destination to its workers).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from .protocol import (
     check_hello,
     check_message,
     check_senders,
+    check_worker_at,
     describe_mismatch,
     encode_message,
     new_nonce,
@@ -55,7 +62,7 @@ from .protocol import (
 
 log = logging.getLogger("vllm.kvtransport")
 
-Inbox = queue.Queue[tuple[Any, ...]]  # see module docstring
+Inbox = queue.Queue[Any]  # tuples: see the module docstring
 CompatFn = Callable[[], tuple[str, dict[str, Any]]]
 MAX_HANDSHAKES = 32
 """Authenticated handshakes (compatibility check, welcome) running at once; more wait in the admission queue."""
@@ -183,15 +190,18 @@ class SideChannelServer:
     ``PREAUTH_TIMEOUT_S``; an accept error or a thread that cannot start is logged and survived.
     """
 
-    def __init__(self, address: str, port: int, engine_id: str, compat: CompatFn, inbox: Inbox,
+    def __init__(self, address: str, port: int, engine_id: str, compat: CompatFn | None, inbox: Inbox,
                  timeout: float, lease: float = 0.0,
                  answer_now: Callable[[str, dict[str, Any]], dict[str, Any] | None] | None = None,
-                 secret: bytes | None = None, senders: Callable[[], dict[str, str]] | None = None) -> None:
+                 secret: bytes | None = None, senders: Callable[[], dict[str, str]] | None = None,
+                 worker_at: Callable[[], dict[str, list[Any]]] | None = None, name: str = "kvt-sc-accept") -> None:
         """``answer_now(engine, msg)``, called on the connection's reader thread for each checked message: a
         reply to send at once instead of queueing ``msg`` for the scheduler (which runs only while its engine
         steps), or None. ``senders()``: tp rank (str) -> the kvtransport instance id of our worker of that rank,
-        told to each decode in the welcome."""
+        and ``worker_at()``: tp rank (str) -> [host, port] of that worker's destination channel, both told to
+        each decode in the welcome. ``compat`` None: a worker's destination channel (no compatibility check)."""
         self._senders = senders
+        self._worker_at = worker_at
         self.engine_id = engine_id
         self._secret = secret
         self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
@@ -211,7 +221,7 @@ class SideChannelServer:
         self.admission = Admission(self._sock, greet=_greet, header_size=_LENGTH.size,
                                    message_length=lambda header: int(_LENGTH.unpack(header)[0]),
                                    on_hello=self._on_hello, preauth_timeout=min(timeout, PREAUTH_TIMEOUT_S),
-                                   max_hello_bytes=MAX_HELLO, name="kvt-sc-accept")
+                                   max_hello_bytes=MAX_HELLO, name=name)
         self.admission.start()
 
     def send(self, engine_id: str, msg: dict[str, Any]) -> bool:
@@ -265,7 +275,7 @@ class SideChannelServer:
 
     def _handshake(self, sock: socket.socket, label: str, hello: dict[str, Any]) -> dict[str, Any] | None:
         """Check the (authenticated) hello: the checked hello, or None when refused (the peer was told)."""
-        ours, info = self._compat()
+        ours, info = self._compat() if self._compat is not None else (None, {})
         try:
             if hello.get("version") != PROTOCOL_VERSION:
                 raise MalformedMessage(f"side-channel protocol version {str(hello.get('version'))[:16]} != ours "
@@ -275,7 +285,7 @@ class SideChannelServer:
         except ProtocolFailure as exc:
             self._refuse(sock, label, hello.get("engine_id"), str(exc), f"malformed hello: {exc}")
             return None
-        if hello.get("compat") != ours:  # values in our log only; the peer learns which fields differ
+        if self._compat is not None and hello.get("compat") != ours:  # our log has the values; the peer the names
             raw = hello.get("compat_info")
             theirs: dict[str, Any] = raw if isinstance(raw, dict) else {}
             self._refuse(sock, label, checked["engine_id"], "incompatible KV caches: " + describe_mismatch(info, theirs),
@@ -286,8 +296,11 @@ class SideChannelServer:
             self._refuse(sock, label, checked["engine_id"], "an engine with this id is connected and alive",
                          f"engine id {str(checked['engine_id'])[:64]} is already connected", retry=True)
             return None
-        welcome = {"type": "welcome", "version": PROTOCOL_VERSION, "engine_id": self.engine_id, "compat": ours,
-                   "compat_info": info, "lease": self.lease, "senders": self._senders() if self._senders else {}}
+        welcome: dict[str, Any] = {"type": "welcome", "version": PROTOCOL_VERSION, "engine_id": self.engine_id}
+        if self._compat is not None:  # the scheduler's channel (a worker's destination channel checks nothing)
+            welcome.update(compat=ours, compat_info=info, lease=self.lease,
+                           senders=self._senders() if self._senders else {},
+                           worker_at=self._worker_at() if self._worker_at else {})
         send_message(sock, seal(welcome, self._secret, checked.pop("nonce")))
         return checked
 
@@ -405,10 +418,15 @@ class PeerClient:
     Connects on a thread (retrying until ``timeout``), says hello, then forwards queued messages. If the
     peer refuses or cannot be reached, every queued or later ``dst`` message turns into ``("fail", seq,
     reason)`` events, so the requests take vLLM's failure path instead of waiting for a timeout.
+
+    ``worker``: a link to a prefill worker's destination channel instead. It checks no compatibility (the
+    scheduler's channel did), takes nothing from the peer, and its failure fails nothing: what it could not
+    deliver reaches the workers through their scheduler.
     """
 
     def __init__(self, host: str, port: int, hello: Callable[[], dict[str, Any]], compat: CompatFn,
-                 inbox: Inbox, timeout: float, secret: bytes | None = None) -> None:
+                 inbox: Inbox, timeout: float, secret: bytes | None = None, worker: bool = False) -> None:
+        self.worker = worker
         self._secret = secret
         self.host, self.port = host, int(port)
         self.label = f"{host}:{port}"
@@ -444,6 +462,8 @@ class PeerClient:
             conn.send(msg)
 
     def _fail_msgs(self, msgs: list[dict[str, Any]], reason: str) -> None:
+        if self.worker:  # the scheduler's channel carries the same destinations
+            return
         for m in msgs:
             if m.get("type") == "dst":
                 for d in m.get("dsts", []):
@@ -490,6 +510,9 @@ class PeerClient:
             conn.send(m)
         try:
             while True:
+                if self.worker:  # a worker's channel sends nothing we act on (a ping at most): read and drop
+                    recv_message(sock, MAX_HELLO)
+                    continue
                 try:
                     msg = recv_message(sock)
                     seqs, xfers = msg.get("seqs", []), msg.get("xfers", [])
@@ -517,7 +540,7 @@ class PeerClient:
             reason = f"side channel to prefill {self.label} lost: {exc}"
             closed = self.error is not None
             self._die(reason)
-            if not closed:  # the prefill went away (not our close()): its transfers cannot complete
+            if not closed and not self.worker:  # the prefill went away (not our close()): its transfers cannot complete
                 self._inbox.put(("lost", (self.host, self.port), reason))
 
     def _connect_once(self, deadline: float) -> socket.socket:
@@ -556,14 +579,20 @@ class PeerClient:
             if reply.get("version") != PROTOCOL_VERSION:
                 raise ProtocolFailure(f"prefill {self.label} speaks side-channel protocol "
                                       f"{str(reply.get('version'))[:16]}, ours {PROTOCOL_VERSION}")
+            self.peer_engine = str(reply.get("engine_id"))[:MAX_ID_CHARS]
+            if self.worker:
+                sock.settimeout(self._timeout)
+                return sock
             ours, info = self._compat()
             if reply.get("compat") != ours:
                 raise ProtocolFailure(
                     f"prefill {self.label} is incompatible: {describe_mismatch(info, reply.get('compat_info') or {})}")
-            self.peer_engine = str(reply.get("engine_id"))
             senders = check_senders(reply.get("senders"))
             if senders:
                 self._inbox.put(("senders", (self.host, self.port), senders))
+            worker_at = check_worker_at(reply.get("worker_at"))
+            if worker_at:
+                self._inbox.put(("workers", (self.host, self.port), worker_at))
             lease = reply.get("lease")
             self.peer_lease = float(lease) if isinstance(lease, (int, float)) and lease > 0 else None
             sock.settimeout(self._timeout)

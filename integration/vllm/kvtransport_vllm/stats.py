@@ -15,10 +15,10 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 COUNTERS = ("bytes_sent", "bytes_received", "puts", "puts_received", "failures", "transfers_sent",
             "transfers_layerwise", "transfers_whole", "transfers_received", "transfer_failures",
-            "lease_expirations", "decode_disconnects", "prefill_disconnects", "dst_wait_timeouts",
-            "first_tokens_sent", "first_tokens_received")
-TIMINGS = ("transfer_times", "dst_waits")
-"""Lists of seconds: decode blocks held from allocation until the KV landed; prefill admission waits."""
+            "lease_expirations", "decode_disconnects", "prefill_disconnects", "first_tokens_sent",
+            "first_tokens_received", "dst_bound_before", "dst_bound_during", "dst_bound_after")
+TIMINGS = ("transfer_times",)
+"""Lists of seconds: decode blocks held from allocation until the KV landed."""
 GAUGES = ("recv_unallocated", "recv_in_progress")
 """Decode scheduler, current values (sent when they change): P/D requests that arrived but have no blocks yet
 (waiting for admission), and requests whose blocks are allocated and wait for their KV."""
@@ -54,7 +54,7 @@ class KVTransportStats(KVConnectorStats):
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {k: int(self.data.get(k, 0)) for k in COUNTERS}
         out.update({k: int(self.data[k]) for k in GAUGES if k in self.data})
-        for key, name in (("transfer_times", "transfer"), ("dst_waits", "dst_wait")):
+        for key, name in (("transfer_times", "transfer"),):
             times = self.data.get(key) or []
             if times:
                 out[f"avg_{name}_ms"] = round(1000 * sum(times) / len(times), 3)
@@ -67,7 +67,7 @@ class KVTransportStats(KVConnectorStats):
 
 
 class KVTransportPromMetrics(KVConnectorPromMetrics):
-    """``vllm:kvtransport_*`` counters, gauges and histograms (transfer time, admission wait), per engine."""
+    """``vllm:kvtransport_*`` counters, gauges and a histogram (transfer time), per engine."""
 
     def __init__(self, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -86,7 +86,10 @@ class KVTransportPromMetrics(KVConnectorPromMetrics):
             "lease_expirations": "prefill requests whose held blocks were freed after the lease expired",
             "decode_disconnects": "prefill requests given up because their decode's side channel went away",
             "prefill_disconnects": "decode requests failed because their prefill's side channel went away",
-            "dst_wait_timeouts": "prefill requests that ran before their destination blocks were known (dst_wait)",
+            "dst_bound_before": "prefill: destinations bound before their request's first layer was computed",
+            "dst_bound_during": "prefill: destinations bound while their request was computed (what was computed went "
+                                "in one batched put, the rest layer by layer)",
+            "dst_bound_after": "prefill: destinations bound after their request's prompt was computed (one put)",
             "first_tokens_sent": "prefill: first tokens sent to a decode instance (the client got them from here)",
             "first_tokens_received": "decode: requests continued from the first token their prefill sampled",
         }
@@ -105,8 +108,6 @@ class KVTransportPromMetrics(KVConnectorPromMetrics):
         for key, name, doc in (
             ("transfer_times", "transfer_seconds",
              "Time a decode request's blocks were held: from their allocation until its KV landed"),
-            ("dst_waits", "dst_wait_seconds",
-             "Time a push-flow prefill request waited for its decode's destination blocks before it ran"),
         ):
             h = self._histogram_cls(  # type: ignore[call-arg]
                 name=f"vllm:kvtransport_{name}", documentation=doc, buckets=buckets, labelnames=labelnames)

@@ -4,7 +4,7 @@ Off unless ``KV_TRANSPORT_VLLM_TRACE`` names a directory. Then every process of 
 engine's scheduler, each worker) appends one JSON line per milestone to ``<dir>/<role>-<pid>.jsonl``:
 ``{"t": <time.monotonic()>, "ev": <name>, "key": <transfer id or request id>, ...}``. ``time.monotonic`` is one
 clock for every process of a host (Linux CLOCK_MONOTONIC), so lines from different processes line up;
-``benchmarks/serving.py`` joins them into a breakdown (proxy, admission wait, forward, signal, decode).
+``benchmarks/serving.py`` joins them into a breakdown (proxy, intake, forward, binding, signal, decode).
 
 Milestones (``key`` is the proxy's transfer id ``kvt_xfer`` where the process knows it, else the request id;
 ``req``/``seq`` fields tie a worker's request ids to it):
@@ -15,7 +15,8 @@ Milestones (``key`` is the proxy's transfer id ``kvt_xfer`` where the process kn
     proxy.first_out       the first token went out to the client
     proxy.decode_first    the decode's first bytes reached the proxy
     p.new / d.new         the request reached the prefill / decode scheduler
-    p.dst                 the prefill scheduler learnt the destination blocks (``wait``: seconds it waited)
+    p.dst                 the prefill scheduler learnt the destination blocks
+    w.bind                a prefill worker bound them (``phase``: before / during / after the request's forward)
     p.scheduled           the prefill scheduler scheduled the request's last prompt chunk
     p.finished            the prefill request finished (its first token sampled)
     p.first_sent          the first token was sent to the decode engine(s)

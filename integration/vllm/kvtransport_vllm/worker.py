@@ -1,10 +1,14 @@
 """Worker side of the connector (one per TP/PP worker process): owns the kvtransport CommManager.
 
-Prefill role: ``save_kv_layer`` hands each computed layer's puts to a *pusher* thread (:mod:`.pusher`: the
-forward never waits on the network, and copies overlap the next layers' compute); ``wait_for_save`` signals
-the sequences whose prompt completed, whole pushes and releases come with the step's plan, and a released
-request is reported ``finished_sending`` once its puts were flushed. Pushes for unlike peers are expanded here
-into one push per destination rank this worker serves (:mod:`kvtransport.reshard`).
+Prefill role (start now, bind late): the step's plan names the prefill requests the forward computes;
+``save_kv_layer`` hands each computed layer to a *pusher* thread (:mod:`.pusher`: the forward never waits on the
+network, and copies overlap the next layers' compute), which puts it into every destination bound so far.
+Destinations come with the plan (the scheduler forwards what it learnt) and, usually first, straight from the
+decode over this worker's *destination channel* (a side-channel server of its own, named to decodes in the
+prefill's welcome); one that binds late gets everything already computed in one batched put (:mod:`.pushplan`).
+Releases come with the plan, and a released request is reported ``finished_sending`` once its puts were flushed.
+Pushes for unlike peers are expanded into one push per destination rank this worker serves
+(:mod:`kvtransport.reshard`), on the pusher thread.
 
 Decode role: waits are never blocking: ``get_transfer_results`` polls the manager, reports landed sequences
 as ``finished_recving`` and failed or timed-out ones as ``failed_recving`` too (vLLM's failure path).
@@ -31,6 +35,7 @@ from .config import ConnectorSettings
 from .geometry import Geometry, base_seq, describe, part_seq, unit_layout
 from .metadata import NULL_BLOCK, FailureKind, Push, SendFailure, StepPlan
 from .pusher import Pusher
+from .sidechannel import SideChannelServer
 
 log = logging.getLogger("vllm.kvtransport")
 
@@ -47,8 +52,10 @@ class WorkerSide:
 
     def __init__(self, *, settings: ConnectorSettings, engine_id: str, tp_rank: int = 0,
                  num_blocks: int | None = None, tp_size: int = 1, num_kv_heads: int | None = None,
-                 cpu_attn: bool = False, layer_groups: dict[str, int] | None = None) -> None:
+                 cpu_attn: bool = False, layer_groups: dict[str, int] | None = None, block_size: int = 16) -> None:
         self.settings = settings
+        self.block_size = block_size  # vLLM's (tokens per block)
+        self.dst_channel: SideChannelServer | None = None
         self.num_blocks = num_blocks
         self.engine_id = engine_id
         self.tp_rank = tp_rank
@@ -68,6 +75,8 @@ class WorkerSide:
         self.pusher: Pusher | None = None
         self._plan: StepPlan | None = None
         self._layers_done: set[int] = set()
+        self._step_sources = False  # this step's forward computes prefill requests (their layers go to the pusher)
+        self._step_layerwise = False  # ... and some of them are put layer by layer
         self._lock = threading.Lock()
         self._waiting: dict[str, tuple[float, float]] = {}  # decode req -> (start, deadline)
         # first-token flow: receives reported only once their first token is in their prompt (StepPlan.recv_hold)
@@ -111,9 +120,17 @@ class WorkerSide:
         opts = dict(self.settings.backend_options)
         opts.setdefault("timeout", self.settings.connect_timeout)
         self.cm = kvtransport.open(self.layout, backend=backend, ifname=self.settings.ifname, **opts)
+        block_size = self.geometry.block_size if self.geometry is not None else self.block_size
         self.pusher = Pusher(self.cm, self.tp_rank, self.layout.num_layers, self.settings.connect_timeout,
                              cuda=self.layout.is_cuda,
-                             group_of=[self.layer_groups.get(name, 0) for name in self.layer_index])
+                             group_of=[self.layer_groups.get(name, 0) for name in self.layer_index],
+                             block_size=block_size, expand=self._expand_one,
+                             unlike=lambda geo: self.geometry is not None and self._unlike(geo),
+                             lease=self.settings.lease)
+        # destinations straight from decodes (no engine loop on their way): into the pusher's queue
+        self.dst_channel = SideChannelServer(self.settings.address, 0, self.engine_id, None, self.pusher.q,
+                                             self.settings.connect_timeout, secret=self.settings.secret,
+                                             name=f"kvt-dst-accept-{self.tp_rank}")
         self._fencer = threading.Thread(target=self._fence_loop, name="kvt-fence", daemon=True)
         self._fencer.start()
         log.info("kvtransport connector worker %d: backend %s, %d layers x %d blocks, %d plane(s)/layer, "
@@ -124,9 +141,12 @@ class WorkerSide:
         """What the scheduler side needs from this worker (kvtransport metadata and compatibility fields)."""
         assert self.cm is not None and self.layout is not None
         g = self.geometry
-        return {"metadata": self.cm.metadata(), "backend": self.cm.backend, "instance": self.cm.instance,
-                "layout_hash": self.layout.compat_hash(), "layer_names": list(self.layer_index),
-                "kv_order": g.order if g is not None else None}
+        out = {"metadata": self.cm.metadata(), "backend": self.cm.backend, "instance": self.cm.instance,
+               "layout_hash": self.layout.compat_hash(), "layer_names": list(self.layer_index),
+               "kv_order": g.order if g is not None else None}
+        if self.dst_channel is not None:
+            out["dst_at"] = [self.dst_channel.host, self.dst_channel.port]
+        return out
 
     # ---------------------------------------------------------------- per step
     def bind(self, plan: StepPlan) -> None:
@@ -134,18 +154,15 @@ class WorkerSide:
         releases, starts and ends receives. Non-blocking."""
         self._plan = plan
         self._layers_done = set()
+        self._step_sources = bool(plan.sources)
+        self._step_layerwise = any(src.layerwise for src in plan.sources)
         self.peer_geometry.update(plan.peer_geometry)
-        if plan.layer_pushes:
-            plan.layer_pushes = self._expand(plan.layer_pushes)
-        if plan.whole_pushes:
-            plan.whole_pushes = self._expand(plan.whole_pushes)
         if self.pusher is not None:
-            if plan.peers:
-                self.pusher.submit("peers", plan.peers, {e: self._dst_ranks(e) for e in plan.peers})
-            if plan.whole_pushes:
-                event = self._forward_event()  # after everything issued so far (earlier steps' KV included)
-                for p in plan.whole_pushes:
-                    self.pusher.submit("whole", p, event)
+            if plan.peers:  # with their geometry: a destination straight from one of them may follow at once
+                self.pusher.submit("peers", plan.peers, {e: self._dst_ranks(e) for e in plan.peers},
+                                   dict(plan.peer_geometry))
+            if plan.sources or plan.binds or plan.cancels or plan.dropped:
+                self.pusher.submit("plan", plan.sources, plan.binds, plan.cancels, plan.dropped)
             # Releases name requests that finished in an earlier step (their puts and signals are queued
             # already), so they go now: a step without a forward (vLLM keeps stepping only to drain delayed
             # frees) binds its plan but never calls wait_for_save, and a release left for it would be lost
@@ -238,21 +255,11 @@ class WorkerSide:
         """Several KV cache groups: a sliding window's skipped blocks are vLLM's null block (never moved)."""
         return len(set(self.layer_groups.values())) > 1
 
-    def _expand(self, pushes: list[Push]) -> list[Push]:
-        """Each push as the pusher puts it: like-for-like block pairs as unit runs (unit layout), a token range
-        for unlike peers as one push per destination rank this worker serves, with its unit runs. A push that
-        cannot be mapped fails (its decode is told)."""
-        out: list[Push] = []
-        for p in pushes:
-            try:
-                out.extend(self._expand_one(p))
-            except (LayoutError, KVTransportError, KeyError, ValueError) as exc:
-                reason = f"cannot map the KV of {p.req_id} onto decode engine {p.engine}: {exc}"
-                log.warning("kvtransport: %s", reason)
-                self._pending_send_failures.append(SendFailure(p.seq, p.engine, reason))
-        return out
-
-    def _expand_one(self, p: Push) -> list[Push]:
+    def _expand_one(self, p: Push, geo: dict[str, Any] | None = None) -> list[Push]:
+        """``p`` as the pusher puts it: like-for-like block pairs as unit runs (unit layout), a token range for an
+        unlike decode of geometry ``geo`` as one push per destination rank this worker serves, with its unit
+        runs. Raises LayoutError (and ValueError/KeyError for what cannot be mapped). Pusher thread; reads only
+        what is fixed once the caches are registered."""
         g = self.geometry
         if p.start < 0:
             if g is None or not p.src:
@@ -262,7 +269,8 @@ class WorkerSide:
             return [replace(p, runs=tuple(BlockRun(r.src * upb, r.dst * upb, r.count * upb) for r in runs))]
         if self.shard is None:
             raise LayoutError("this worker's cache layout only serves like-for-like peers")
-        geo = self.peer_geometry[p.engine]
+        if geo is None:
+            raise LayoutError(f"no geometry for decode engine {p.engine}")
         out = []
         for d in range(int(geo["tp_size"])):
             dst = self._peer_shard(geo, d)
@@ -277,34 +285,32 @@ class WorkerSide:
         return out
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any) -> None:
-        """Queue this layer's puts (called right after the layer's attention). Non-blocking."""
-        plan = self._plan
-        if plan is None or not plan.layer_pushes or self.pusher is None:
+        """The forward computed this layer (its kernels are enqueued): hand it to the pusher, which puts it into
+        the destinations bound so far. Non-blocking."""
+        if not self._step_layerwise or self.pusher is None:
             return
         idx = self.layer_index.get(layer_name)
         if idx is None or idx in self._layers_done:
             return
         event = self._forward_event() if getattr(kv_layer, "is_cuda", False) else None
         self._layers_done.add(idx)
-        self.pusher.submit("layer", idx, plan.layer_pushes, event)
+        self.pusher.submit("layer", idx, event)
 
     def wait_for_save(self) -> None:
-        """End of a step that ran a forward: put layers the forward did not visit, signal completed prompts.
-        (vLLM does not call it in steps without a forward: nothing that such a step's plan carries waits here.)"""
-        plan = self._plan
-        if plan is None or self.pusher is None:
+        """End of a step that ran a forward: layers the forward did not visit go now, then the step's end (the
+        pusher puts what waited for it and signals complete prompts). Non-blocking. (vLLM does not call it in
+        steps without a forward: nothing that such a step's plan carries waits here.)"""
+        if not self._step_sources or self.pusher is None:
             return
-        if plan.layer_pushes:
-            assert self.layout is not None
+        assert self.layout is not None
+        if self._step_layerwise:
             missed = [idx for idx in range(self.layout.num_layers) if idx not in self._layers_done]
             event = self._forward_event() if missed else None
             for idx in missed:
-                self.pusher.submit("layer", idx, plan.layer_pushes, event)
-            self._layers_done = set(range(self.layout.num_layers))
-            finals = [p for p in plan.layer_pushes if p.final and p.group == 0]
-            if finals:
-                self.pusher.submit("signal", finals)
-        plan.layer_pushes = []
+                self.pusher.submit("layer", idx, event)
+        self._layers_done = set(range(self.layout.num_layers))
+        self.pusher.submit("step_end", self._forward_event())
+        self._step_sources = self._step_layerwise = False
 
     def _forward_event(self) -> Any:
         """CUDA: an event recorded now on the forward thread's current stream (None on host memory)."""
@@ -472,6 +478,9 @@ class WorkerSide:
         if self.pusher is not None:
             now["transfers_layerwise"] = self.pusher.sent_layerwise
             now["transfers_whole"] = self.pusher.sent_whole
+            counts = self.pusher.planner.counts
+            now["dst_bound_before"], now["dst_bound_during"], now["dst_bound_after"] = (
+                counts["before"], counts["during"], counts["after"])
         out: dict[str, Any] = {k: v - int(self._last.get(k, 0)) for k, v in now.items()}
         self._last = now
         out["transfers_sent"] = out.get("transfers_layerwise", 0) + out.get("transfers_whole", 0)
@@ -485,6 +494,8 @@ class WorkerSide:
         return out
 
     def shutdown(self) -> None:
+        if self.dst_channel is not None:
+            self.dst_channel.close()
         self._fences.put(None)
         if self.pusher is not None:
             self.pusher.close()

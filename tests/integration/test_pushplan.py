@@ -1,0 +1,231 @@
+"""Start now, bind late: the worker's push planner (kvtransport_vllm.pushplan) against random prompts, chunkings,
+block sizes, prefix hits and destinations that bind at any point of the forward (before it, between two layers,
+between two chunks, after it) or twice (the decode's direct channel and the scheduler's plan).
+
+Every run is checked against the ground truth of what the forward had computed when each put was issued: every
+block (like-for-like) or token (unlike) of every layer lands exactly once, only after its layer computed it, the
+signal comes once and after every put, and it says "whole" exactly when the destination came after the prompt.
+Pure Python (no vLLM, no transport)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+plan_mod = pytest.importorskip("kvtransport_vllm.pushplan", reason="kvtransport-vllm is not installed")
+from kvtransport_vllm.metadata import NULL_BLOCK, Bind, SourceStep  # noqa: E402
+
+PushPlanner, PutOp, SignalOp = plan_mod.PushPlanner, plan_mod.PutOp, plan_mod.SignalOp
+
+
+def chunks(prompt_len: int, start: int, sizes: list[int]) -> list[tuple[int, int]]:
+    out, at, i = [], start, 0
+    while at < prompt_len:
+        n = sizes[i % len(sizes)]
+        out.append((at, min(prompt_len, at + n)))
+        at += n
+        i += 1
+    return out
+
+
+class Run:
+    """Drives a planner through one prefill request's steps with destinations bound at given event positions,
+    checking every op against what the forward had computed at that moment."""
+
+    def __init__(self, layers: int, bs: int, prompt_len: int, start: int, sizes: list[int], groups: int = 1,
+                 unlike: dict[str, dict[str, Any]] | None = None, layerwise: bool = True) -> None:
+        self.layers, self.bs, self.prompt_len = layers, bs, prompt_len
+        self.group_of = [i % groups for i in range(layers)]
+        self.unlike = unlike or {}
+        self.planner = PushPlanner(self.group_of, bs, lambda e: self.unlike.get(e))
+        nblk = -(-prompt_len // bs)
+        # source blocks per group: distinct ids; group 1 (a sliding window) skips its first block (null)
+        self.src_groups = [tuple(1000 * (g + 1) + b for b in range(nblk)) for g in range(groups)]
+        if groups > 1:
+            self.src_groups[1] = (NULL_BLOCK, *self.src_groups[1][1:])
+        self.steps = chunks(prompt_len, start, sizes)
+        self.start, self.layerwise = start, layerwise
+        self.computed = [start] * layers  # tokens whose KV each layer has (ground truth)
+        self.writes: dict[tuple[str, int, int], int] = {}  # (seq, layer, dst block or token) -> times written
+        self.signals: dict[str, list[str]] = {}
+        self.after_signal: list[str] = []
+        self.complete = False
+
+    def events(self) -> list[tuple[Any, ...]]:
+        ev: list[tuple[Any, ...]] = []
+        for lo, hi in self.steps:
+            ev.append(("step", lo, hi))
+            ev += [("layer", i, hi) for i in range(self.layers)] if self.layerwise else []
+            ev.append(("end", hi))
+        return ev
+
+    def apply(self, ops: list[Any]) -> None:
+        for op in ops:
+            p = op.push
+            if isinstance(op, SignalOp):
+                assert p.seq not in self.signals, f"{p.seq} signalled twice"
+                self.signals[p.seq] = [op.kind]
+                continue
+            assert isinstance(op, PutOp) and op.layers
+            assert p.seq not in self.signals, f"a put to {p.seq} after its signal"
+            g = p.group
+            for layer in op.layers:
+                assert self.group_of[layer] == g
+                if p.start < 0:  # like-for-like: whole blocks, each complete in this layer (or the prompt's end)
+                    for s, d in zip(p.src, p.dst, strict=True):
+                        b = self.src_groups[g].index(s)
+                        need = min((b + 1) * self.bs, self.prompt_len)
+                        assert self.computed[layer] >= need, (layer, b, self.computed[layer], need)
+                        key = (p.seq, layer, d)
+                        self.writes[key] = self.writes.get(key, 0) + 1
+                else:  # unlike: exact tokens, computed in this layer
+                    assert p.stop <= self.computed[layer] and p.start < p.stop
+                    for t in range(p.start, p.stop):
+                        key = (p.seq, layer, t)
+                        self.writes[key] = self.writes.get(key, 0) + 1
+
+    def drive(self, binds: dict[int, list[Bind]]) -> None:
+        """Run the events, binding ``binds[i]`` just before event ``i`` (``len(events)``: after the last)."""
+        ev = self.events()
+        for i in range(len(ev) + 1):
+            for b in binds.get(i, []):
+                ops, _ = self.planner.bind(b)
+                self.apply(ops)
+            if i == len(ev):
+                break
+            e = ev[i]
+            if e[0] == "step":
+                src = SourceStep("preq", "X", self.prompt_len, tuple(self.src_groups), e[1], e[2],
+                                 layerwise=self.layerwise)
+                self.apply(self.planner.step([src]))
+            elif e[0] == "layer":
+                self.computed[e[1]] = e[2]
+                self.apply(self.planner.layer(e[1]))
+            else:
+                if not self.layerwise:
+                    self.computed = [e[1]] * self.layers
+                self.apply(self.planner.step_end())
+
+
+@settings(max_examples=300, deadline=None)
+@given(layers=st.integers(1, 4), bs=st.sampled_from([1, 4, 16]), prompt_len=st.integers(1, 140),
+       sizes=st.lists(st.integers(1, 70), min_size=1, max_size=4), groups=st.sampled_from([1, 2]),
+       data=st.data())
+def test_like_for_like_every_block_of_every_layer_lands_exactly_once(layers: int, bs: int, prompt_len: int,
+                                                                    sizes: list[int], groups: int,
+                                                                    data: st.DataObject) -> None:
+    groups = min(groups, layers)
+    nblk = -(-prompt_len // bs)
+    start = data.draw(st.integers(0, (prompt_len - 1) // bs), label="prefix blocks") * bs  # prefill cache hit
+    run = Run(layers, bs, prompt_len, start, sizes, groups)
+    n_events = len(run.events())
+    dsts = []
+    for k in range(data.draw(st.integers(1, 2), label="destinations")):
+        offset = data.draw(st.integers(0, nblk - 1), label="decode prefix blocks")
+        blocks = tuple(5000 * (k + 1) + i for i in range(nblk - offset))
+        extra = tuple(tuple(6000 * (k + 1) + i for i in range(nblk - offset)) for _ in range(groups - 1))
+        dsts.append(Bind("X", "D", f"d{k}", blocks, offset, extra))
+    binds: dict[int, list[Bind]] = {}
+    phase_at = {}
+    for d in dsts:
+        at = data.draw(st.integers(0, n_events), label="bind at")
+        binds.setdefault(at, []).append(d)
+        phase_at[d.seq] = at
+        again = data.draw(st.one_of(st.none(), st.integers(at, n_events)), label="bound again at")
+        if again is not None:  # the plan's copy of a destination that came straight from the decode
+            binds.setdefault(again, []).append(d)
+    run.drive(binds)
+    for d in dsts:
+        assert run.signals.get(d.seq) == ["whole" if phase_at[d.seq] == n_events else "layerwise"], d.seq
+        for layer in range(layers):
+            g = run.group_of[layer]
+            dg = d.blocks if g == 0 else d.groups[g - 1]
+            for i, blk in enumerate(dg):
+                src = run.src_groups[g][d.offset + i]
+                want = 0 if src == NULL_BLOCK else 1
+                assert run.writes.get((d.seq, layer, blk), 0) == want, (d.seq, layer, i, blk)
+    assert sum(run.writes.values()) == sum(
+        1 for d in dsts for layer in range(layers) for i in range(nblk - d.offset)
+        if run.src_groups[run.group_of[layer]][d.offset + i] != NULL_BLOCK)
+
+
+@settings(max_examples=200, deadline=None)
+@given(layers=st.integers(1, 3), bs=st.sampled_from([2, 8]), dbs=st.sampled_from([3, 8, 16]),
+       prompt_len=st.integers(1, 90), sizes=st.lists(st.integers(1, 40), min_size=1, max_size=3), data=st.data())
+def test_unlike_every_token_of_every_layer_lands_exactly_once(layers: int, bs: int, dbs: int, prompt_len: int,
+                                                             sizes: list[int], data: st.DataObject) -> None:
+    run = Run(layers, bs, prompt_len, 0, sizes, unlike={"U": {"tp_size": 2, "block_size": dbs, "kv_order": "HN"}})
+    dblk = -(-prompt_len // dbs)
+    offset = data.draw(st.integers(0, dblk - 1), label="decode prefix blocks")
+    b = Bind("X", "U", "u", tuple(100 + i for i in range(dblk - offset)), offset)
+    n_events = len(run.events())
+    at = data.draw(st.integers(0, n_events), label="bind at")
+    run.drive({at: [b]})
+    assert run.signals == {"u": ["whole" if at == n_events else "layerwise"]}
+    first = offset * dbs
+    for layer in range(layers):
+        got = sorted(t for (seq, ly, t), n in run.writes.items() if ly == layer and n == 1)
+        assert got == list(range(first, prompt_len)), layer
+    assert all(n == 1 for n in run.writes.values())
+
+
+def test_a_destination_bound_mid_forward_gets_what_is_computed_in_one_put_per_range() -> None:
+    """Chunk 2 of 2 is at layer 2 of 4 when the destination comes: one put per distinct range of what is computed
+    (both chunks for the two layers done, the first chunk for the other two); then one put per remaining layer as
+    the forward reaches it, each signalled; then the sequence's signal."""
+    bs = 4
+    run = Run(4, bs, 16, 0, [8])  # two chunks: tokens [0, 8), [8, 16)
+    ev = run.events()  # step, 4 layers, end, step, 4 layers, end
+    at = ev.index(("layer", 2, 16))
+    ops_seen: list[Any] = []
+    orig = run.apply
+
+    def spy(ops: list[Any]) -> None:
+        ops_seen.extend(ops)
+        orig(ops)
+
+    run.apply = spy  # type: ignore[method-assign]
+    run.drive({at: [Bind("X", "D", "d", tuple(range(50, 54)), 0)]})
+    shape = [(type(o).__name__, getattr(o, "layers", None), tuple(o.push.dst), getattr(o, "signal_layers", None))
+             for o in ops_seen]
+    assert shape == [
+        ("PutOp", (0, 1), (50, 51, 52, 53), False),  # both chunks of the layers already computed
+        ("PutOp", (2, 3), (50, 51), False),  # the first chunk of the others
+        ("PutOp", (2,), (52, 53), True),
+        ("PutOp", (3,), (52, 53), True),
+        ("SignalOp", None, (), None),
+    ]
+    assert run.signals == {"d": ["layerwise"]}
+    assert run.planner.counts["during"] == 1
+
+
+def test_early_destinations_wait_bounded_for_their_request_and_expire() -> None:
+    p = PushPlanner([0], 4, lambda e: None)
+    for i in range(plan_mod.MAX_PENDING):
+        assert p.bind(Bind(f"x{i}", "D", "s", (1,), 0), now=1.0)[1] == "pending"
+    assert p.bind(Bind("one-too-many", "D", "s", (1,), 0), now=1.0)[1].startswith("refused")
+    assert p.bind(Bind("x0", "D", "s", (1,), 0), now=1.0)[1] == "duplicate"
+    assert [b.xfer for b in p.expire(before=2.0)][:2] == ["x0", "x1"] and not p.pending
+    ops = p.step([SourceStep("r", "x0", 4, ((9,),), 0, 4)])
+    assert ops == []  # expired: nothing binds
+
+
+def test_a_second_engine_claiming_a_bound_request_is_refused() -> None:
+    p = PushPlanner([0, 0], 4, lambda e: None)
+    p.step([SourceStep("r", "x", 8, ((1, 2),), 0, 8)])
+    assert p.bind(Bind("x", "D", "s", (7, 8), 0))[1] == "before"
+    ops, what = p.bind(Bind("x", "IMPOSTOR", "s", (3, 4), 0))
+    assert ops == [] and what.startswith("refused") and "belongs to decode engine D" in what
+    p.cancel("x", "s")
+    assert p.layer(0) == [] and p.layer(1) == [] and p.step_end() == []  # cancelled: nothing more goes
+
+
+def test_pull_mode_puts_only_once_the_prompt_is_computed() -> None:
+    run = Run(3, 4, 10, 0, [4], layerwise=False)
+    ev = run.events()
+    run.drive({1: [Bind("X", "D", "d", (20, 21, 22), 0)]})
+    assert run.signals == {"d": ["layerwise"]} and len(ev) == 6
+    assert sorted(k[2] for k in run.writes) == [20, 20, 20, 21, 21, 21, 22, 22, 22]
