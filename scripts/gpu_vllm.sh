@@ -12,9 +12,11 @@
 #               then the GPU conformance suites of mscclpp and ucx and the mscclpp/ucx demos on cuda:0;
 #   B  (c2-c5)  installs vLLM 0.24.0 and its dependencies, imports the connector on it;
 #   C  (A, B)   the GPU end-to-end suites (tests/integration, -m gpu: P/D and faults, mscclpp and ucx) while
-#               the serving benchmark's instances start; the benchmark measures once the e2e suites and the
-#               conformance suites are done (benchmarks/serving.py; c6 brings NIXL for its NixlConnector
-#               baseline), then benchmarks/proxy_overhead.py measures the proxy's own cost on this host.
+#               the serving benchmark's instances start; the benchmark measures once the e2e suites are done
+#               (benchmarks/serving.py; with nixl among SERVING_CONFIGS it waits for c6, which brings NIXL for
+#               its NixlConnector baseline), then benchmarks/proxy_overhead.py measures the proxy's own cost on
+#               this host; the backends' GPU conformance suites and demos run last (CONFORMANCE=0 skips them),
+#               so that nothing else shares the GPU while the benchmark measures.
 # The commit measured is read from .stage/c1/COMMIT (written by gpu_stage.sh) into machine.txt.
 # `bash scripts/gpu_vllm.sh job NAME` re-runs one step in the background (conformance, e2e, serving).
 set -uo pipefail
@@ -69,7 +71,6 @@ stage_a() {  # install, build MSCCL++, conformance + demos
   } >"$R/mscclpp-elf.txt" 2>&1
   $PY -m kvtransport.cli doctor >"$R/doctor.txt" 2>&1
   touch "$W/a.done"
-  job_conformance
 }
 
 job_conformance() {
@@ -123,11 +124,13 @@ job_e2e() {
 
 job_serving() {
   mscclpp_env
-  wait_for "$W/pieces/c6.done"
-  $PIP --target /tmp/site "$W"/pieces/c6/*.whl >"$R/install-c.log" 2>&1
-  status "C: serving benchmark: instances start (measures after the e2e and conformance suites)"
+  case " ${SERVING_CONFIGS:-nixl} " in *" nixl "*)
+    wait_for "$W/pieces/c6.done"
+    $PIP --target /tmp/site "$W"/pieces/c6/*.whl >"$R/install-c.log" 2>&1 ;;
+  esac
+  status "C: serving benchmark: instances start (measures after the e2e suites)"
   rm -rf "$R/serving"
-  ( wait_for "$W/e2e.done"; wait_for "$W/conf.done"; touch "$W/quiet" ) &
+  ( wait_for "$W/e2e.done"; touch "$W/quiet" ) &
   timeout 1500 $PY benchmarks/serving.py run --model "$W/llama8b" --out "$R/serving" --wait-for "$W/quiet" \
     ${SERVING_CONFIGS:+--configs $SERVING_CONFIGS} >"$R/serving.txt" 2>&1
   $PY benchmarks/serving.py report "$R/serving/serving.json" --out "$R/serving" >>"$R/serving.txt" 2>&1
@@ -145,6 +148,7 @@ master() {
   local s=$!
   job_e2e
   wait "$s" "$a"
+  if [ "${CONFORMANCE:-1}" = 1 ]; then job_conformance; fi
   status "ALL DONE"
   touch "$R/DONE"
 }
