@@ -16,7 +16,8 @@
 #               (benchmarks/serving.py; with nixl among SERVING_CONFIGS it waits for c6, which brings NIXL for
 #               its NixlConnector baseline), then benchmarks/proxy_overhead.py measures the proxy's own cost on
 #               this host; the backends' GPU conformance suites and demos run last (CONFORMANCE=0 skips them),
-#               so that nothing else shares the GPU while the benchmark measures.
+#               so that nothing else shares the GPU while the benchmark measures. SERVING_FIRST=1: the benchmark
+#               measures as soon as its instances are up, and the e2e suites run after it (a short lease).
 # The commit measured is read from .stage/c1/COMMIT (written by gpu_stage.sh) into machine.txt.
 # `bash scripts/gpu_vllm.sh job NAME` re-runs one step in the background (conformance, e2e, serving).
 set -uo pipefail
@@ -144,10 +145,17 @@ master() {
   local a=$!
   stage_b
   wait_for "$W/a.done"
-  job_serving &
-  local s=$!
-  job_e2e
-  wait "$s" "$a"
+  if [ "${SERVING_FIRST:-0}" = 1 ]; then  # the figures first (a short lease), then the suites
+    touch "$W/e2e.done"  # the benchmark measures as soon as its instances are up
+    job_serving
+    job_e2e
+  else
+    job_serving &
+    local s=$!
+    job_e2e
+    wait "$s"
+  fi
+  wait "$a"
   if [ "${CONFORMANCE:-1}" = 1 ]; then job_conformance; fi
   status "ALL DONE"
   touch "$R/DONE"
