@@ -193,7 +193,7 @@ def test_prefill_killed_mid_transfer(faults: dict[str, Any]) -> None:
     side = discover(P)
     pf, pr = words(1, 150), words(2, 170)
     ref_r = tokens(complete(P.url, {"prompt": pr, "max_tokens": MAX_TOKENS}))  # (policy=fail: no output to compare)
-    f0, r0 = metrics(DF.url), metrics(DR.url)
+    f0, r0, p0 = metrics(DF.url), metrics(DR.url), metrics(P.url)
     xf, xr = uuid.uuid4().hex, uuid.uuid4().hex
     ex = ThreadPoolExecutor(4)
     try:
@@ -202,10 +202,12 @@ def test_prefill_killed_mid_transfer(faults: dict[str, Any]) -> None:
         legs = [ex.submit(prefill_leg, P, pf, xf, debug_delay=True), ex.submit(prefill_leg, P, pr, xr, debug_delay=True)]
         for leg in legs:
             assert leg.result(timeout=120).status_code == 200
-        # mid-transfer: both decodes allocated their blocks and KV landed in them; the final signal waits
-        for d, m0 in ((DF, f0), (DR, r0)):
-            wait_for(f"{d.name}: allocated, receiving KV", lambda d=d, m0=m0: kv_fetch(d, "in_progress") >= 1  # type: ignore[misc]
-                     and grew(d, m0, "vllm:kvtransport_puts_received_total") > 0, 60)
+        # mid-transfer: both decodes allocated their blocks and the prefill put every layer of both requests into
+        # them (counted by the prefill: a one-sided receiver learns of puts only from signals, and a destination
+        # that bound after the forward is put in one go, without layer signals); the final signals wait
+        for d in (DF, DR):
+            wait_for(f"{d.name}: allocated, receiving KV", lambda d=d: kv_fetch(d, "in_progress") >= 1, 60)  # type: ignore[misc]
+        wait_for("the prefill put both requests' layers", lambda: grew(P, p0, "vllm:kvtransport_puts_total") >= 2 * 2, 60)
         assert metric(DF, USAGE) > 0 and metric(DR, USAGE) > 0
         assert not fut_f.done() and not fut_r.done(), "the transfers completed before the prefill was killed"
         kill9(P)
