@@ -520,15 +520,17 @@ def test_unreachable_prefill_takes_the_failure_path(cluster: dict[str, Any]) -> 
 # ---------------------------------------------------------------------- text, late destinations
 def test_text_is_a_single_instances_with_split_characters_and_stop_strings(cluster: dict[str, Any]) -> None:
     """The first token comes from the prefill, the rest from the decode, and the client's text is still a single
-    instance's, byte for byte: with outputs restricted to the bytes of 中 (E4 B8 AD), a character is split across
-    tokens #1 and #2 (asserted to happen), and a stop string made of #1's and #2's text (one character each) ends
-    the answer exactly where a single instance ends it; streamed and whole, completions and chat."""
+    instance's, byte for byte: with outputs restricted to the bytes of 中 (E4 B8 AD), or to lead bytes only (E4,
+    F0: token #1 is then always an unfinished character, whose text depends on #2), a character is split across
+    tokens #1 and #2, and a stop string made of #1's and #2's text (one character each) ends the answer exactly
+    where a single instance ends it; streamed and whole, completions and chat."""
     from .tiny_model import byte_token
 
     P1, D, R = (cluster["procs"][k] for k in ("P1", "D", "R"))
     proxy = start_proxy(cluster, ["--prefill", P1.url, "--decode", D.url], "proxy-text")
     try:
         han = [byte_token(b) for b in "中".encode()]
+        leads = [byte_token(0xE4), byte_token(0xF0)]  # a greedy random model may never pick E4 first among han's
         letters = [byte_token(ord(c)) for c in "abc"]
         rng = random.Random(27)
         splits = stops = 0
@@ -539,9 +541,9 @@ def test_text_is_a_single_instances_with_split_characters_and_stop_strings(clust
             base = {"model": "tiny", "temperature": 0, "max_tokens": 6, "return_token_ids": True,
                     "stream": i % 2 == 1, **({"messages": [{"role": "user", "content": prompt}]} if chat
                                              else {"prompt": prompt})}
-            req = {"api": api, "body": {**base, "allowed_token_ids": han}}
+            req = {"api": api, "body": {**base, "allowed_token_ids": leads if i % 2 else han}}
             ((ids, text),) = send(R.url, req)
-            splits += ids[0] == han[0] and ids[1] in han[1:]
+            splits += ids[0] in leads
             assert send(proxy.url, req) == [(ids, text)], f"request {i}: split character"
             plain = {"api": api, "body": {**base, "allowed_token_ids": letters}}
             ((ids, text),) = send(R.url, plain)
@@ -551,7 +553,7 @@ def test_text_is_a_single_instances_with_split_characters_and_stop_strings(clust
             assert ref[0][1] == "", (stop, ref)  # a single instance stops at #2, before any text
             stops += 1
             assert send(proxy.url, req) == ref, f"request {i}: stop string {stop!r} across tokens #1 and #2"
-        assert splits >= 2 and stops == 24, (splits, stops)
+        assert splits >= 12 and stops == 24, (splits, stops)
     finally:
         proxy.stop()
 

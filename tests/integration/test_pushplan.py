@@ -229,3 +229,39 @@ def test_pull_mode_puts_only_once_the_prompt_is_computed() -> None:
     run.drive({1: [Bind("X", "D", "d", (20, 21, 22), 0)]})
     assert run.signals == {"d": ["layerwise"]} and len(ev) == 6
     assert sorted(k[2] for k in run.writes) == [20, 20, 20, 21, 21, 21, 22, 22, 22]
+
+
+def test_the_layers_of_a_step_share_one_push_object() -> None:
+    """Every layer of a range gets the same Push object (the pusher expands it once, and the CUDA IPC launcher,
+    which caches a put's device table by the identity of its runs, uploads it once per step, not per layer)."""
+    run = Run(4, 4, 32, 0, [16])
+    seen: list[Any] = []
+    orig = run.apply
+
+    def spy(ops: list[Any]) -> None:
+        seen.extend(o for o in ops if isinstance(o, PutOp))
+        orig(ops)
+
+    run.apply = spy  # type: ignore[method-assign]
+    run.drive({0: [Bind("X", "D", "d", tuple(range(60, 68)), 0)]})
+    by_step = [seen[:4], seen[4:]]
+    assert [len(s) for s in by_step] == [4, 4]
+    for ops in by_step:
+        assert all(o.push is ops[0].push for o in ops)
+    assert by_step[0][0].push is not by_step[1][0].push
+
+
+def test_the_pusher_host_cost_benchmark_runs() -> None:
+    """benchmarks/pusher_host_cost.py: planning a layer and mapping its push once per step costs less than doing
+    the mapping again for every layer (what the pusher did before)."""
+    import importlib.util
+    from pathlib import Path
+
+    pytest.importorskip("torch")
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "pusher_host_cost.py"
+    spec = importlib.util.spec_from_file_location("pusher_host_cost", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = mod.measure(3)
+    assert out["per_step_us"] < out["per_layer_us"] and (out["layers"], out["blocks"]) == (32, 128), out

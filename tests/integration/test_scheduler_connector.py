@@ -998,3 +998,30 @@ def test_kv_cache_groups_the_connector_cannot_move_are_refused_by_name() -> None
     with pytest.raises(ValueError, match=r"cannot move KV cache group 2 \(MambaSpec, layers \['m3'\]\): it moves full "
                                          r"and sliding-window attention KV only; Mamba/SSM state is not supported"):
         check_groups(cfg)
+
+
+def test_a_decodes_new_blocks_go_out_before_its_idle_wait(pair, monkeypatch) -> None:
+    """A decode waiting for one request's first token waits (IDLE_INBOX_WAIT_S) for side-channel events in idle
+    steps; the blocks it allocated in that same step go to the prefill first, not after the wait."""
+    import threading
+
+    from kvtransport_vllm import scheduler as sched_mod
+
+    pr = pair()
+    _, dparams = pr.push_params("waits-first")
+    dparams["kvt_first_token"] = True
+    _decode_admit(pr, make_request(list(range(3000, 3040)), params=dparams))  # waits for its first token
+    monkeypatch.setattr(sched_mod, "IDLE_INBOX_WAIT_S", 3.0)
+    _, dparams = pr.push_params("new-blocks")
+    dreq = make_request(list(range(3100, 3140)), params=dparams)
+    pr.d.add_request(dreq)
+    out: list = []
+    stepping = threading.Thread(target=lambda: out.append(pr.d.schedule()))
+    t0 = time.monotonic()
+    stepping.start()
+    pr.prefill_sees_dsts("new-blocks")
+    seen = time.monotonic() - t0
+    stepping.join(10)
+    took = time.monotonic() - t0
+    assert seen < 2.0 <= took, (seen, took)  # the blocks were at the prefill while the decode still waited
+    assert dreq.request_id in plan_of(out[0]).recv_start

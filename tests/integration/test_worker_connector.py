@@ -412,3 +412,27 @@ def test_hostile_ucx_metadata_from_the_side_channel_never_reaches_libucp() -> No
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-3000:])
     assert "FAILURES [('s1', 'EVIL', 'IncompatiblePeer')]" in proc.stdout, proc.stdout
     assert "STILL-WORKS True" in proc.stdout, proc.stdout
+
+
+def test_every_layer_of_a_step_puts_the_same_runs_object(pd) -> None:
+    """The pusher expands a planned push once for all the layers of a step: ``put_runs`` gets the same runs
+    object for each layer (the CUDA IPC launcher caches a put's device table by that object's identity: a new
+    object per layer would upload the table again for every layer, on the forward's time)."""
+    p, d, src, _ = pd
+    meta = d.handshake()["metadata"]
+    d.bind(StepPlan(recv_start={"same": 60}))
+    calls: list[tuple[tuple[int, ...], int]] = []
+    real = p.cm.put_runs
+
+    def spy(peer, seq, layers, runs):  # type: ignore[no-untyped-def]
+        calls.append((tuple(layers), id(runs)))
+        return real(peer, seq, layers, runs)
+
+    p.cm.put_runs = spy  # type: ignore[method-assign]
+    step(p, StepPlan(peers={"D": {0: meta}}, sources=[source("ps", (1, 2, 3), 0, 2 * BS, 3 * BS)],
+                     binds=[dest("ps", "same", (21, 22, 23))]), src)
+    step(p, StepPlan(sources=[source("ps", (1, 2, 3), 2 * BS, 3 * BS, 3 * BS)]), src)
+    poll(d, "finished_recving", "same")
+    assert [layers for layers, _ in calls] == [(i,) for i in range(LAYERS)] * 2
+    first, second = {r for _, r in calls[:LAYERS]}, {r for _, r in calls[LAYERS:]}
+    assert len(first) == 1 and len(second) == 1 and first != second, calls

@@ -355,6 +355,11 @@ class Consumer:
             self.clients[addr] = c
         return c
 
+    def flush(self) -> None:
+        """Send what is queued now (scheduler thread; non-blocking)."""
+        if self._outgoing:
+            self._flush_outgoing()
+
     def _flush_outgoing(self) -> None:
         for addr, msgs in self._outgoing.items():
             client = self._client(addr)

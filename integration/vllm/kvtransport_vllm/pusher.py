@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +34,8 @@ from .pushplan import PushPlanner, PutOp, SignalOp
 log = logging.getLogger("vllm.kvtransport")
 
 RECONNECT_BACKOFF = 10.0
+EXPANDED = 1024
+"""Planned pushes whose expansion (unit runs, one push per destination rank) is kept for the next layers."""
 MAX_BACKLOG = 65536
 """Puts and signals queued for one destination while it connects; more fail at once."""
 
@@ -92,6 +94,9 @@ class Pusher:
         self.sent_whole = 0
         self.direct_unknown = 0  # destinations from a decode engine the scheduler has not introduced yet (ignored)
         self.planner = PushPlanner(self.group_of, block_size, self._geometry_if_unlike)
+        # planned push (by identity: the planner hands every layer of a range the same object) -> what we put; the
+        # same runs object for every layer lets the CUDA IPC launcher reuse its device table (cached by identity)
+        self._expanded: OrderedDict[int, tuple[Push, list[Push]]] = OrderedDict()
         self.thread = threading.Thread(target=self._run, name="kvt-pusher", daemon=True)
         self.thread.start()
 
@@ -201,6 +206,17 @@ class Pusher:
             self.releasing.append(job[1])
         # "hello" / "bye" of the destination channel: nothing to do
 
+    def _expand(self, push: Push) -> list[Push]:
+        """``self.expand`` of ``push``, once per push object (EXPANDED of them kept)."""
+        hit = self._expanded.get(id(push))
+        if hit is not None and hit[0] is push:
+            return hit[1]
+        out = self.expand(push, self._geometry_if_unlike(push.engine))
+        self._expanded[id(push)] = (push, out)
+        while len(self._expanded) > EXPANDED:
+            self._expanded.popitem(last=False)
+        return out
+
     def _geometry_if_unlike(self, engine: str) -> dict[str, Any] | None:
         geo = self.peer_geometry.get(engine)
         return geo if geo is not None and self.is_unlike(geo) else None
@@ -231,7 +247,7 @@ class Pusher:
         push per destination rank for unlike decodes); a push that cannot be mapped fails (its decode is told)."""
         for op in ops:
             try:
-                pushes = self.expand(op.push, self._geometry_if_unlike(op.push.engine))
+                pushes = self._expand(op.push)
             except (kvtransport.LayoutError, KVTransportError, KeyError, ValueError) as exc:
                 reason = f"cannot map the KV of {op.push.req_id} onto decode engine {op.push.engine}: {exc}"
                 log.warning("kvtransport: %s", reason)

@@ -68,6 +68,7 @@ class _Dst:
     phase: str
     final_sent: bool = False
     cancelled: bool = False
+    pushes: dict[tuple[int, int, int], Push | None] = field(default_factory=dict)  # (group, lo, hi) -> its push
 
 
 @dataclass
@@ -114,6 +115,8 @@ class PushPlanner:
                 src = self.sources[st.xfer] = _Source(st)
                 self.by_req[st.req_id] = st.xfer
             src.step = st
+            for d in src.dsts.values():  # the pushes of a range are shared by the layers of one step only (a
+                d.pushes.clear()  # resumed request's blocks are new)
             src.done = min(st.start, st.prompt_len)  # the scheduler's count: a prefix-cache hit is computed
             src.running = (src.done, min(st.stop, st.prompt_len))
             src.step_layers = set()
@@ -263,7 +266,10 @@ class PushPlanner:
         ops: list[Op] = []
         end = self._end(src, d)
         for (group, lo, hi), ls in by_range.items():
-            push = self._push(src, d, group, lo, hi)
+            key = (group, lo, hi)
+            if key not in d.pushes:  # one object for every layer of a range: its runs are computed (and the
+                d.pushes[key] = self._push(src, d, group, lo, hi)  # device copy's table uploaded) once
+            push = d.pushes[key]
             if push is not None:
                 ops.append(PutOp(push, tuple(ls), signal_layers=single and hi >= end))
             for layer in ls:
