@@ -942,7 +942,7 @@ def test_unlike_block_size_is_pushed_as_token_ranges(pair) -> None:
     ops = w.run(plan)
     push = ops[0].push  # layer 0, as the forward computed it
     assert ops[0].layers == (0,) and [type(o).__name__ for o in ops] == ["PutOp", "PutOp", "SignalOp"]
-    assert (push.start, push.stop, push.src_first, push.dst_first, push.final) == (0, 40, 0, 0, True)
+    assert (push.start, push.stop, push.src_first, push.dst_first) == (0, 40, 0, 0)
     assert list(push.src) == list(src_blocks[:3]) and list(push.dst) == list(dst_blocks[:2])
     pr.p.update_from_output(so, runner_output([preq]))
     so = pr.p.schedule()

@@ -44,10 +44,9 @@ class Push:
     """Copy ``src`` blocks of prefill request ``req_id`` into ``dst`` blocks of decode sequence ``seq``: what the
     worker's :class:`~.pushplan.PushPlanner` makes due, into the layers its op names.
 
-    ``engine`` names the decode engine (its workers' metadata came in ``StepPlan.peers``). ``final`` is kept for
-    older callers (every planned push is). ``delay`` (test-only, ``debug_push_delay``): seconds the worker holds
-    back the sequence's final signal (it keeps serving other requests meanwhile; the prefill request is released
-    after that signal).
+    ``engine`` names the decode engine (its workers' metadata came in ``StepPlan.peers``). ``delay`` (test-only,
+    ``debug_push_delay``): seconds the worker holds back the sequence's final signal (it keeps serving other
+    requests meanwhile; the prefill request is released after that signal).
 
     Unlike peers (other TP size, block size or head order: ``StepPlan.peer_geometry``) get a token range instead
     of block pairs: tokens ``[start, stop)``, ``src`` holding the prefill's tokens from ``src_first`` on, ``dst``
@@ -61,7 +60,6 @@ class Push:
     engine: str
     src: tuple[int, ...]
     dst: tuple[int, ...]
-    final: bool = True
     delay: float = 0.0
     start: int = -1
     """First token (unlike peers); -1: like-for-like, ``src[i]`` goes to ``dst[i]`` on the same rank."""

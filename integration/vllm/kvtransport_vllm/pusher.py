@@ -60,10 +60,7 @@ class Pusher:
         self.lease = lease
         self.peer_geometry: dict[str, dict[str, Any]] = {}
         self.group_of = group_of or [0] * num_layers  # layer -> its KV cache group
-        self.group_layers: dict[int, list[int]] = defaultdict(list)
-        for layer, g in enumerate(self.group_of):
-            self.group_layers[g].append(layer)
-        self.groups = len(self.group_layers)
+        self.groups = len(set(self.group_of))  # KV cache groups (for the log)
         self.cuda = cuda
         self.stream: Any = None  # CUDA: the pusher's own stream (set on its thread)
         self.tp_rank = tp_rank

@@ -294,13 +294,13 @@ class PushPlanner:
                 pairs = [(x, y) for x, y in pairs if x != NULL_BLOCK and y != NULL_BLOCK]
             if not pairs:
                 return None
-            return Push(st.req_id, b.seq, b.engine, tuple(x for x, _ in pairs), tuple(y for _, y in pairs), True,
+            return Push(st.req_id, b.seq, b.engine, tuple(x for x, _ in pairs), tuple(y for _, y in pairs),
                         group=group)
         dbs = int(d.geo["block_size"])
         first = b.offset * dbs
         s_lo, s_hi = lo // bs, -(-hi // bs)
         d_lo, d_hi = (lo - first) // dbs, -(-(hi - first) // dbs)
-        return Push(st.req_id, b.seq, b.engine, tuple(sg[s_lo:s_hi]), tuple(dg[d_lo:d_hi]), True, start=lo, stop=hi,
+        return Push(st.req_id, b.seq, b.engine, tuple(sg[s_lo:s_hi]), tuple(dg[d_lo:d_hi]), start=lo, stop=hi,
                     src_first=s_lo * bs, dst_first=first + d_lo * dbs, group=group)
 
     def _signal_push(self, src: _Source, d: _Dst) -> Push:
@@ -308,6 +308,6 @@ class PushPlanner:
         one part per destination rank)."""
         b = d.bind
         if d.geo is None:
-            return Push(src.step.req_id, b.seq, b.engine, (), (), True, src.step.delay)
+            return Push(src.step.req_id, b.seq, b.engine, (), (), src.step.delay)
         lo = b.offset * int(d.geo["block_size"])
-        return Push(src.step.req_id, b.seq, b.engine, (), (), True, src.step.delay, start=lo, stop=lo)
+        return Push(src.step.req_id, b.seq, b.engine, (), (), src.step.delay, start=lo, stop=lo)
