@@ -951,7 +951,7 @@ def test_unlike_block_size_is_pushed_as_token_ranges(pair) -> None:
     assert_no_leaks(pr.p)
 
 
-def test_pipeline_parallel_is_refused_with_our_message(tiny_model: str) -> None:
+def test_pipeline_and_context_parallel_are_refused_with_our_message(tiny_model: str) -> None:
     from kvtransport_vllm.connector import check_parallel
 
     cfg = make_config(tiny_model, role="kv_producer")
@@ -960,6 +960,14 @@ def test_pipeline_parallel_is_refused_with_our_message(tiny_model: str) -> None:
     with pytest.raises(ValueError, match=r"does not support pipeline parallelism \(pipeline_parallel_size=2\): run "
                                          r"the prefill and decode instances with pipeline_parallel_size=1"):
         check_parallel(cfg)
+    cfg.parallel_config.pipeline_parallel_size = 1
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        setattr(cfg.parallel_config, name, 2)
+        with pytest.raises(ValueError, match=rf"does not support context parallelism \({name}=2\): .* run the prefill "
+                                             rf"and decode instances with {name}=1"):
+            check_parallel(cfg)
+        setattr(cfg.parallel_config, name, 1)
+    check_parallel(cfg)
 
 
 def test_compatibility_still_refuses_model_dtype_and_head_size(tiny_model: str) -> None:

@@ -163,3 +163,36 @@ def requires_layerwise(extra: Mapping[str, Any] | None, role: str | None = None)
         return resolve_settings(extra).mode == "push"
     except ValueError:
         return True
+
+
+def startup_problem(extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> str | None:
+    """What would stop the connector of an instance with this ``kv_connector_extra_config`` (and environment),
+    found without loading any model: a bad setting, an unknown or unusable backend (``KV_TRANSPORT``), an
+    interface that is not there (``NET_IFNAME``); one line naming it and its fix, or None. Probes the chosen
+    backend (imports it)."""
+    from kvtransport import registry
+    from kvtransport.errors import KVTransportError
+
+    def line(exc: KVTransportError) -> str:
+        fix = getattr(exc, "fix", None)
+        return f"{type(exc).__name__}: {exc}" + (f"; fix: {fix}" if fix else "")
+
+    try:
+        settings = resolve_settings(extra, env)
+    except ValueError as exc:
+        return f"ConfigurationError: {exc}"
+    if settings.backend != "auto":
+        try:
+            registry.get_spec(settings.backend)
+        except KVTransportError as exc:
+            return line(exc)
+        found = registry.probe(settings.backend)
+        if not found.ok:
+            return (f"BackendUnavailable: KV_TRANSPORT={settings.backend} cannot run here: {found.reason}; fix: "
+                    "`kvtransport backends` lists the usable ones")
+    try:
+        settings.address  # noqa: B018 (resolves NET_IFNAME; raises when it is not there)
+    except KVTransportError as exc:
+        return line(exc)
+    return None
+

@@ -93,11 +93,22 @@ PP_UNSUPPORTED = ("KVTransportConnector does not support pipeline parallelism (p
                   "may differ)")
 
 
+CP_UNSUPPORTED = ("KVTransportConnector does not support context parallelism ({name}={size}): each worker's KV "
+                  "cache would hold only part of every sequence; run the prefill and decode instances with "
+                  "{name}=1 (their tensor_parallel_size may differ)")
+
+
 def check_parallel(vllm_config: VllmConfig) -> None:
-    """Refuse what the connector cannot serve, at start-up, with our own message (ValueError)."""
-    pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+    """Refuse what the connector cannot serve, at start-up, with our own message (ValueError): pipeline
+    parallelism, decode and prefill context parallelism."""
+    pc = vllm_config.parallel_config
+    pp = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
     if pp > 1:
         raise ValueError(PP_UNSUPPORTED.format(pp=pp))
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = int(getattr(pc, name, 1) or 1)
+        if size > 1:
+            raise ValueError(CP_UNSUPPORTED.format(name=name, size=size))
 
 
 def _compat_fields(vllm_config: VllmConfig, model_id: str | None) -> dict[str, Any]:
