@@ -10,7 +10,8 @@ Backends and devices (``MATRIX``): on the CPU (CI) over ``ucx`` (one-sided puts,
 Instances (started concurrently; ~2-4 min on 2 cores):
     R   single instance, no connector (the reference; once for the module)
     per backend:
-    P1  kv_producer, push mode with default settings, 64-token prefill chunks (layer-wise push, chunked prefill)
+    P1  kv_producer, push mode with default settings, 64-token prefill chunks (layer-wise push, chunked prefill),
+        Mooncake's bootstrap endpoint on (for vllm-router's ``--kv-connector mooncake``)
     P2  kv_producer, mode=pull (never puts from the forward: whole push when the decode asks)
     D   kv_consumer (test-only ``debug_dst_delay``: a request flagged ``kvt_debug_late`` sends its blocks late)
 
@@ -236,14 +237,15 @@ def references(tiny_model: str, log_dir: Path):
 def cluster(request: pytest.FixtureRequest, tiny_model: str, log_dir: Path, references: Any):
     backend, device = request.param
     env = base_env(backend, device)
-    ports = {k: free_port() for k in ("P1", "P2", "D")}
+    ports = {k: free_port() for k in ("P1", "P2", "D", "P1-bootstrap")}
     conn = {"kv_connector": "KVTransportConnector"}
     name = f"{backend}-{device}"
     procs = {
         "R": references(device),
         # P1: default settings (layer-wise push must happen without tuning)
         "P1": Proc(f"prefill-push-{name}", vllm_cmd(tiny_model, ports["P1"], {
-            **conn, "kv_role": "kv_producer"}, ["--max-num-batched-tokens", "64"], device), env, ports["P1"], log_dir),
+            **conn, "kv_role": "kv_producer", "kv_connector_extra_config": {"bootstrap_port": ports["P1-bootstrap"]}},
+            ["--max-num-batched-tokens", "64"], device), env, ports["P1"], log_dir),
         # P2 selects the connector by module path (no plugin registry needed)
         "P2": Proc(f"prefill-pull-{name}", vllm_cmd(tiny_model, ports["P2"], {
             **conn, "kv_connector_module_path": "kvtransport_vllm.connector", "kv_role": "kv_producer",
@@ -257,7 +259,8 @@ def cluster(request: pytest.FixtureRequest, tiny_model: str, log_dir: Path, refe
     try:
         took = wait_all(list(procs.values()), START_TIMEOUT)
         print(f"\n[e2e] {name}: vLLM instances ready in {took:.0f}s; logs in {log_dir}")
-        yield {"procs": procs, "env": env, "log_dir": log_dir, "backend": backend, "device": device}
+        yield {"procs": procs, "env": env, "log_dir": log_dir, "backend": backend, "device": device,
+               "bootstrap_port": ports["P1-bootstrap"]}
     finally:
         for p in mine:
             p.stop()
@@ -600,3 +603,32 @@ def test_a_late_decode_never_holds_the_prefill_and_gets_every_byte_once(cluster:
     want = -(-200 // BLOCK) * 2 * block_bytes  # 7 blocks x 2 layers, each once
     assert delta(p1, p0, "vllm:kvtransport_bytes_sent_total") == delta(d1, d0, "vllm:kvtransport_bytes_received_total") \
         == want
+
+
+def test_vllm_router_in_front(cluster: dict[str, Any]) -> None:
+    """vllm-router 0.1.17 (its P/D mode, the real binary from PyPI) in front of our instances: Mooncake's
+    ``kv_transfer_params`` against P1 (it reads P1's bootstrap endpoint; our push flow), NixlConnector's against
+    P2 (pull). It sends the prefill leg, waits for its answer, then sends the decode leg: the two are never in
+    flight together, so every destination binds after the prefill's forward (counted) and goes in one put, and
+    the first token is the decode's. Outputs are a single instance's, token for token and byte for byte."""
+    exe = shutil.which("vllm-router", path=str(Path(sys.executable).parent))
+    assert exe, "vllm-router is not installed (integration/vllm/ci_setup.sh installs it)"
+    D = cluster["procs"]["D"]
+    for seed, (connector, prefill, boot) in enumerate(
+            (("mooncake", "P1", [str(cluster["bootstrap_port"])]), ("nixl", "P2", [])), start=40):
+        P = cluster["procs"][prefill]
+        port = free_port()
+        router = Proc(f"vllm-router-{connector}-{cluster['backend']}", [
+            exe, "--vllm-pd-disaggregation", "--prefill", P.url, *boot, "--decode", D.url, "--host", "127.0.0.1",
+            "--port", str(port), "--kv-connector", connector, "--policy", "round_robin", "--log-level", "warning",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
+            cluster["env"], port, cluster["log_dir"], health="/health")
+        try:
+            wait_all([router], 120)
+            s = check_disaggregated(cluster, router.url, seed=seed, prefill=prefill)
+            n = s["decode_requests"]
+            assert (s["bound_before"], s["bound_during"], s["bound_after"]) == (0, 0, n), s  # the router's order
+            assert (s["prefill_layerwise"], s["prefill_whole"]) == (0, n), s
+        finally:
+            router.stop()
+

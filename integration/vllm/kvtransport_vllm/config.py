@@ -9,6 +9,9 @@ Keys of ``kv_connector_extra_config`` (all optional)::
                        KV_TRANSPORT_VLLM_MODE, or the older KVT_VLLM_MODE with a deprecation warning)
     side_channel_port  port of the scheduler's side channel (env KV_TRANSPORT_VLLM_SIDE_CHANNEL_PORT, default 0 =
                        any; the older KVT_VLLM_SIDE_CHANNEL_PORT still works, with a deprecation warning)
+    bootstrap_port     prefill: serve Mooncake's bootstrap endpoint (GET /query) on this port, for routers that
+                       speak Mooncake's kv_transfer_params (vllm-router --kv-connector mooncake, llm-d's sidecar)
+                       (env KV_TRANSPORT_VLLM_BOOTSTRAP_PORT, default 0 = none)
     transfer_timeout   seconds a decode request waits for its KV before the failure path (default 120)
     lease              seconds a prefill instance holds blocks for a remote decode (a delay-freed request
                        waiting for its destination, or for being pulled) without hearing from that decode;
@@ -60,6 +63,7 @@ class ConnectorSettings:
     ifname: str | None = None
     mode: str = "push"
     side_channel_port: int = 0
+    bootstrap_port: int = 0
     transfer_timeout: float = 120.0
     lease: float = 30.0
     connect_timeout: float = 30.0
@@ -94,16 +98,21 @@ def resolve_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str] | N
                or "push").strip().lower()
     if mode not in MODES:
         raise ValueError(f"kv_connector_extra_config.mode={mode!r}: choose one of {MODES}")
-    port_raw = extra.get("side_channel_port")
-    if port_raw is None:
-        port_raw = read_env("KV_TRANSPORT_VLLM_SIDE_CHANNEL_PORT", deprecated=("KVT_VLLM_SIDE_CHANNEL_PORT",),
-                            env=env) or 0
-    try:
-        port = int(str(port_raw).strip()) if not isinstance(port_raw, bool) else -1
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise ValueError(f"side_channel_port must be a port number 0..65535 (0: any free port), got {port_raw!r}")
+    def _port(key: str, env_name: str, deprecated: tuple[str, ...], zero: str) -> int:
+        raw = extra.get(key)
+        if raw is None:
+            raw = read_env(env_name, deprecated=deprecated, env=env) or 0
+        try:
+            value = int(str(raw).strip()) if not isinstance(raw, bool) else -1
+        except ValueError:
+            value = -1
+        if not 0 <= value <= 65535:
+            raise ValueError(f"{key} must be a port number 0..65535 (0: {zero}), got {raw!r}")
+        return value
+
+    port = _port("side_channel_port", "KV_TRANSPORT_VLLM_SIDE_CHANNEL_PORT", ("KVT_VLLM_SIDE_CHANNEL_PORT",),
+                 "any free port")
+    bootstrap_port = _port("bootstrap_port", "KV_TRANSPORT_VLLM_BOOTSTRAP_PORT", (), "no bootstrap endpoint")
     opts = extra.get("backend_options", {})
     if not isinstance(opts, Mapping):
         raise ValueError("kv_connector_extra_config.backend_options must be a JSON object")
@@ -133,6 +142,7 @@ def resolve_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str] | N
         ifname=(extra.get("ifname") or env.get("NET_IFNAME") or None),
         mode=mode,
         side_channel_port=port,
+        bootstrap_port=bootstrap_port,
         transfer_timeout=_num("transfer_timeout", 120.0),
         lease=_num("lease", float(extra.get("source_ttl", 30.0))),
         connect_timeout=_num("connect_timeout", 30.0),

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import trace
 from .compat import first_token_emitter
-from .metadata import Failure, FailureKind, StepPlan
+from .metadata import Failure, FailureKind, StepPlan, push_transfer_id, side_channel_of
 from .sidechannel import PeerClient
 
 if TYPE_CHECKING:
@@ -90,13 +90,13 @@ class Consumer:
         """Take a lease on the transfer at once (the prefill then knows who holds it)."""
         params = request.kv_transfer_params
         addr = self._peer_addr(params)
-        xfer = params.get("kvt_xfer") or params.get("remote_request_id")
+        xfer = self._xfer(params)
         if addr is not None and xfer:
             self.wanted[request.request_id] = (str(xfer), addr)
             self.arrived[request.request_id] = time.monotonic()
             self._outgoing[addr].append({"type": "renew", "xfers": [str(xfer)]})
             trace.event("d.new", str(xfer), seq=request.request_id)
-            if params.get("kvt_first_token") is True and params.get("kvt_xfer"):
+            if params.get("kvt_first_token") is True and push_transfer_id(params):
                 self.first_waits[request.request_id] = _FirstWait(request, str(xfer), addr,
                                                                  int(request.num_prompt_tokens))
 
@@ -128,10 +128,9 @@ class Consumer:
         while the cache is below ``admit_below`` used, or once the prefill said it is about to compute the
         request (``ready``); also when the KV cannot come any more (the request is then admitted only to take
         vLLM's failure path: an unallocated request cannot fail otherwise)."""
-        xfer = params.get("kvt_xfer")
+        xfer = push_transfer_id(params)
         if not xfer:
             return True
-        xfer = str(xfer)
         if rid in self.doomed or xfer in self.ready_xfers or self._kv_usage() < self.settings.admit_below:
             return True
         now = time.monotonic()
@@ -161,8 +160,8 @@ class Consumer:
         rid = request.request_id
         self.consumed.add(rid)
         self.arrived.pop(rid, None)
-        xfer = str(params.get("kvt_xfer") or params.get("remote_request_id"))
-        mode = "push" if params.get("kvt_xfer") else "pull"
+        xfer = str(self._xfer(params))
+        mode = "push" if push_transfer_id(params) else "pull"
         doomed = self.doomed.pop(rid, None)
         if num_external_tokens <= 0 or doomed is not None:
             # everything was found locally (or the KV cannot come): tell the prefill side not to wait for us
@@ -222,10 +221,10 @@ class Consumer:
         elif rid not in self.consumed:
             params = request.kv_transfer_params or {}
             addr = self._peer_addr(params)
-            xfer = params.get("kvt_xfer") or params.get("remote_request_id")
+            xfer = self._xfer(params)
             if addr is not None and xfer:  # never allocated: the prefill should not wait (push) or hold (pull)
                 self._outgoing[addr].append({"type": "cancel", "xfer": str(xfer), "seqs": [], "count": 1,
-                                             "mode": "push" if params.get("kvt_xfer") else "pull"})
+                                             "mode": "push" if push_transfer_id(params) else "pull"})
         self.consumed.discard(rid)
 
     def landed(self, finished_recving: set[str]) -> None:
@@ -327,10 +326,13 @@ class Consumer:
 
     @staticmethod
     def _peer_addr(params: dict[str, Any]) -> tuple[str, int] | None:
-        host, port = params.get("remote_host"), params.get("remote_port")
-        if not host or not port:
-            return None
-        return str(host), int(port)
+        return side_channel_of(params)
+
+    @staticmethod
+    def _xfer(params: dict[str, Any]) -> str | None:
+        """The transfer a decode request's KV comes with: the push flow's id, or the pulled prefill request."""
+        remote = params.get("remote_request_id")
+        return push_transfer_id(params) or (str(remote)[:512] if remote else None)
 
     def _renew(self, now: float) -> None:
         """Every lease/3 (the prefill's lease, from its welcome), renew the transfers still wanted."""

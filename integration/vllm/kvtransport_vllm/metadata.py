@@ -12,6 +12,8 @@ from typing import Any
 
 from kvtransport.coalesce import BlockRun
 
+MAX_PARAM_CHARS = 512
+"""Longest transfer id, engine id or address taken from a request's ``kv_transfer_params`` (longer: ignored)."""
 NULL_BLOCK = 0
 """vLLM's null block: a sliding window's blocks that left the window point at it (never moved)."""
 
@@ -157,3 +159,43 @@ class SendFailure:
     seq: str
     engine: str
     reason: str
+
+
+def _short(value: Any) -> str | None:
+    """``value`` as a non-empty id of at most MAX_PARAM_CHARS characters (a str or an int), else None."""
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        return None
+    text = str(value)
+    return text if 0 < len(text) <= MAX_PARAM_CHARS else None
+
+
+def push_transfer_id(params: dict[str, Any] | None) -> str | None:
+    """The push flow's transfer id of a request's ``kv_transfer_params``: ours (``kvt_xfer``, from
+    ``kvtransport-proxy``) or Mooncake's (``transfer_id``, as vllm-router and llm-d's sidecar send it); None for
+    the pull flow (NixlConnector's keys) or a malformed id."""
+    if not params:
+        return None
+    return _short(params.get("kvt_xfer")) or _short(params.get("transfer_id"))
+
+
+def side_channel_of(params: dict[str, Any]) -> tuple[str, int] | None:
+    """The prefill side channel a decode request's ``kv_transfer_params`` name: ``remote_host`` /
+    ``remote_port`` (ours and NixlConnector's keys), or the Mooncake shape's ``remote_engine_id`` as our bootstrap
+    endpoint publishes it (``<engine id>@<host>:<port>``). None when absent or malformed (a port outside
+    1..65535, a host of more than 253 characters)."""
+    host, port = params.get("remote_host"), params.get("remote_port")
+    if host is None and port is None:
+        engine = _short(params.get("remote_engine_id"))
+        if engine is None or "@" not in engine:
+            return None
+        host, _, port = engine.rpartition("@")[2].rpartition(":")
+    if not isinstance(host, str) or not 0 < len(host) <= 253:
+        return None
+    if isinstance(port, bool) or not isinstance(port, int | str):
+        return None
+    try:
+        number = int(port)
+    except ValueError:
+        return None
+    return (host, number) if 0 < number < 65536 else None
+

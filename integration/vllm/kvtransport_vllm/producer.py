@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import trace
-from .metadata import Bind, SourceStep, StepPlan
+from .metadata import Bind, SourceStep, StepPlan, push_transfer_id
 
 if TYPE_CHECKING:
     from .scheduler import SchedulerSide
@@ -29,6 +29,8 @@ FINISHED_OK = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 MAX_ORPHANS = 4096
 """Destinations held for prefill requests that have not arrived yet (all decode engines together)."""
 MAX_ORPHANS_PER_ENGINE = 1024
+MAX_FANOUT = 256
+"""Decode requests one prefill request may serve (``kvt_fanout``, the client's ``n``); another value counts as 1."""
 """Of those, what one decode engine may hold (one engine cannot take every place)."""
 _CHILD = re.compile(r"^\d+_")
 
@@ -81,6 +83,7 @@ class _Source:
     holders: set[str] = field(default_factory=set)  # decode engines that asked for (renewed) this transfer
     debug_delay: bool = False
     discover: bool = False  # a proxy's one-token discovery request (no KV moves)
+    sibling: bool = False  # a parallel-sampling child whose first sibling serves the shared transfer
     first_token: bool = False  # Splitwise order: the decode continues from the token this request samples
     first: int | None = None  # that token, once sampled
     first_told: set[str] = field(default_factory=set)  # decode engines it was sent to
@@ -158,6 +161,9 @@ class Producer:
         src = self.src_by_req.get(rid)
         if src is None:
             src = self.register_source(request)
+        if src.sibling:  # its first sibling serves the transfer
+            self._drop_source(rid)
+            return False, None
         src.finished = True
         if src.failed is not None:  # given up while computed (its decode went away)
             if src.scheduled:  # its workers may have put from its blocks: released once those puts are flushed
@@ -240,15 +246,26 @@ class Producer:
         if src is not None:
             return src
         params = request.kv_transfer_params or {}
-        push = bool(params.get("kvt_xfer"))
-        xfer = str(params["kvt_xfer"]) if push else rid
-        fanout = int(params.get("kvt_fanout", 1) or 1)
-        src = _Source(rid, xfer, "push" if push else "pull", max(1, fanout), int(request.num_prompt_tokens),
+        pushed = push_transfer_id(params)
+        push = pushed is not None
+        xfer = pushed if pushed is not None else rid
+        raw = params.get("kvt_fanout", 1)
+        fanout = raw if isinstance(raw, int) and not isinstance(raw, bool) and 1 <= raw <= MAX_FANOUT else 1
+        src = _Source(rid, xfer, "push" if push else "pull", fanout, int(request.num_prompt_tokens),
                       debug_delay=bool(params.get("kvt_debug_delay")) and self.settings.debug_push_delay > 0,
                       discover=bool(params.get("kvt_discover")),
                       first_token=push and params.get("kvt_first_token") is True)
         trace.event("p.new", xfer, req=rid)
         self.src_by_req[rid] = src
+        first = self.sources.get(xfer) if push else None
+        if first is not None and first is not src and sampling_family(rid) is not None \
+                and sampling_family(rid) == sampling_family(first.req_id):
+            # a sibling of a parallel-sampling family that shares one transfer id (a router that sends the
+            # client's n to the prefill, Mooncake-style): the prompt's KV is the same, so the first child serves
+            # every decode child and this one holds nothing
+            first.fanout += 1
+            src.sibling = True
+            return src
         fam = self._family(src)
         if fam is not None:
             self.family_size[fam] = self.family_size.get(fam, 0) + 1
@@ -455,7 +472,7 @@ class Producer:
         """``src`` computes prompt tokens ``[before, before + scheduled)`` in this step: tell the workers (they put
         its layers into the destinations bound so far as the forward computes them), and the decodes holding it
         that it runs (they may allocate now)."""
-        if before >= src.prompt_len or scheduled <= 0 or src.failed is not None or src.discover:
+        if before >= src.prompt_len or scheduled <= 0 or src.failed is not None or src.discover or src.sibling:
             return
         after = min(before + scheduled, src.prompt_len)
         src.computed = after

@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 from . import trace
+from .bootstrap import BootstrapServer, query_answer
 from .config import ConnectorSettings
 from .consumer import PREFILL_LOST, Consumer, _FirstWait, _Recv, append_prompt_token
 from .metadata import NULL_BLOCK, SendFailure, StepPlan
@@ -96,6 +97,7 @@ class SchedulerSide:
         self.host = settings.address
         self.port = 0
         self.server: SideChannelServer | None = None
+        self.bootstrap: BootstrapServer | None = None
         trace.set_role("prefill" if producer else "decode")
         # decode engines that said hello (prefill role)
         self.peer_workers: dict[str, dict[int, bytes]] = {}
@@ -115,6 +117,15 @@ class SchedulerSide:
                                             senders=self._sender_ids, worker_at=self._worker_at)
             self.port = self.server.port
             log.info("kvtransport connector: side channel of engine %s on %s:%d", engine_id, self.host, self.port)
+            if settings.bootstrap_port:  # Mooncake's endpoint, for the routers that speak its shape
+                try:
+                    self.bootstrap = BootstrapServer(self.host, settings.bootstrap_port,
+                                                     lambda: query_answer(engine_id, self.host, self.port))
+                except BaseException:
+                    self.server.close()
+                    raise
+                log.info("kvtransport connector: Mooncake bootstrap endpoint on http://%s:%d/query", self.host,
+                         self.bootstrap.port)
 
     # ------------------------------------------------------------------ compatibility, hello, geometry
     def set_worker_metadata(self, meta: dict[int, dict[str, Any]]) -> None:
@@ -328,6 +339,8 @@ class SchedulerSide:
         return out
 
     def shutdown(self) -> None:
+        if self.bootstrap is not None:
+            self.bootstrap.close()
         if self.server is not None:
             self.server.close()
         if self.decode is not None:
