@@ -436,3 +436,29 @@ def test_every_layer_of_a_step_puts_the_same_runs_object(pd) -> None:
     assert [layers for layers, _ in calls] == [(i,) for i in range(LAYERS)] * 2
     first, second = {r for _, r in calls[:LAYERS]}, {r for _, r in calls[LAYERS:]}
     assert len(first) == 1 and len(second) == 1 and first != second, calls
+
+
+def test_a_connect_the_decode_broke_off_is_tried_again(pd, monkeypatch) -> None:
+    """An overloaded decode host drops a hello that came late (its worker closes the connection): the prefill
+    worker connects again within connect_timeout instead of failing every push to that decode for a backoff."""
+    import kvtransport
+
+    p, d, src, dst = pd
+    real = p.cm.connect
+    tries: list[float] = []
+
+    def flaky(meta, *, timeout):  # type: ignore[no-untyped-def]
+        tries.append(timeout)
+        if len(tries) < 3:
+            raise kvtransport.PeerDisconnected("peer 127.0.0.1:1 closed the side channel")
+        return real(meta, timeout=timeout)
+
+    monkeypatch.setattr(p.cm, "connect", flaky)
+    d.bind(StepPlan(recv_start={"again": 60}))
+    step(p, StepPlan(peers={"D": {0: d.handshake()["metadata"]}}, sources=[source("pa", (1, 2))],
+                     binds=[dest("pa", "again", (41, 42))]), src)
+    poll(d, "finished_recving", "again")
+    assert len(tries) == 3 and all(0 < t <= 20 for t in tries)
+    assert p.take_send_failures() == []
+    for name in src:
+        assert torch.equal(src[name][1], dst[name][41]) and torch.equal(src[name][2], dst[name][42])

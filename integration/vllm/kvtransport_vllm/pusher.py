@@ -294,14 +294,29 @@ class Pusher:
         return True
 
     def _connect(self, link: Link, meta: bytes) -> None:
-        """Connect thread: ``cm.connect`` (bounded by ``timeout``), the outcome handed to the pusher thread."""
+        """Connect thread: ``cm.connect``, the outcome handed to the pusher thread. A handshake the decode's worker
+        broke off (it closed the connection, or did not answer in time: an overloaded host drops a hello that came
+        late) is tried again, backing off from 0.1 to 1 s, while ``timeout`` lasts; a refusal is final."""
         outcome: Peer | KVTransportError
+        deadline = time.monotonic() + self.timeout
+        delay = 0.1
         try:
             if self.device is not None:
                 import torch
 
                 torch.cuda.set_device(self.device)
-            outcome = self.cm.connect(meta, timeout=self.timeout)
+            while True:
+                try:
+                    outcome = self.cm.connect(meta, timeout=max(0.1, deadline - time.monotonic()))
+                    break
+                except (kvtransport.PeerDisconnected, kvtransport.TransferTimeout) as exc:
+                    if time.monotonic() + delay >= deadline:
+                        outcome = exc
+                        break
+                    log.warning("kvtransport: connect to decode engine %s rank %d broke off (%s); trying again",
+                                link[0], link[1], exc)
+                    time.sleep(delay)
+                    delay = min(2 * delay, 1.0)
         except KVTransportError as exc:
             outcome = exc
         except Exception as exc:  # never leave the backlog waiting
