@@ -8,10 +8,17 @@ A receiver must stay reachable whatever arrives at its port. So, before a peer h
   pauses, backing off from 1 ms to 1 s, while the connections already admitted are served;
 * a connection may announce a first message (HELLO) of at most ``max_hello_bytes``, buffers only what it
   actually sent, and must complete it within ``preauth_timeout``; at most ``max_pending`` connections wait at
-  once (the oldest goes first when more come) and together they may buffer ``max_pending_bytes`` (the
-  largest goes first). A message is received into anonymous memory of its own (``mmap``, grown as bytes
-  arrive) that goes back to the system the moment its connection is done with: after a flood the
-  receiver's memory is what it was before, whatever the allocator keeps;
+  once and together they may buffer ``max_pending_bytes`` (the largest goes first). A message is received
+  into anonymous memory of its own (``mmap``, grown as bytes arrive) that goes back to the system the moment
+  its connection is done with: after a flood the receiver's memory is what it was before, whatever the
+  allocator keeps. The complete message is handed over in that memory (:attr:`PendingHello.raw`, no copy);
+* fair between sources (a source: the peer's IP address). When one more connection comes than
+  ``max_pending`` allow, the oldest connection *of the source that holds the most* goes: a host that floods
+  crowds out only its own connections, never another host's handshake. A source may start
+  ``source_burst`` handshakes at once and ``source_rate`` a second after that; a connection beyond it is
+  closed (reset) the moment it is accepted, before any challenge: a flood costs an ``accept`` and a
+  ``close`` each, and the listen backlog drains at that cost. (A flood faster still fills the backlog; a
+  connect that finds it full waits for the kernel's retransmit, 1 s, before anything here sees its source.)
 * the complete message goes to ``on_hello`` on this thread; it returns ``True`` when it took the connection
   (its owner starts a handshake thread), ``False`` when it is busy (the connection waits, bounded by its
   deadline, and is offered again), or closes it itself and returns ``None``.
@@ -30,6 +37,7 @@ import logging
 import mmap
 import selectors
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -38,9 +46,23 @@ from dataclasses import dataclass, field
 log = logging.getLogger("kvtransport")
 
 MAX_HELLO_BYTES = 9 << 20
-"""The largest HELLO an unauthenticated peer may announce (metadata of at most 4 MiB, JSON-escaped twice)."""
+"""The default bound on a first message; an owner passes its protocol's own (the core's: its message_length
+refuses more than ``wire.MAX_HELLO_BYTES``, where the reason is)."""
 MAX_PENDING = 256
-"""Connections in their handshake at once; one more pushes the oldest out."""
+"""Connections in their handshake at once; one more pushes out the oldest of the source holding the most."""
+SOURCE_BURST = 2 * MAX_PENDING
+"""Handshakes one source may start at once: every pending slot, twice over (a host whose workers all dial
+at start-up, a test's hundreds of idle strangers)."""
+SOURCE_RATE = 2000.0
+"""Handshakes a second one source may start past its burst: four times what the flood tests' strangers need
+(one every 2 ms), a tenth of what this thread can accept and reset (20-27k/s measured on the 2-core VM
+under a flood); a host beyond it floods, and its excess is reset unread."""
+MAX_SOURCES = 4096
+"""Sources whose rate is tracked; past it the one seen longest ago is forgotten (its next connect starts a
+fresh burst)."""
+ACCEPT_BATCH = 1024
+"""Connections accepted per loop step (between two reads of the connections already admitted): a listen
+backlog's worth."""
 MAX_PENDING_BYTES = 64 << 20
 """Bytes all connections in their handshake may hold together; past it the largest is dropped."""
 READ_CHUNK = 256 << 10
@@ -75,18 +97,48 @@ class RateLimitedLog:
         self.logger.log(level, msg, *args)
 
 
-@dataclass
 class PendingHello:
-    """A connection that completed its first message (handed to ``on_hello``; the socket is non-blocking)."""
+    """A connection that completed its first message (handed to ``on_hello``; the socket is non-blocking).
+    The message stays in the anonymous memory it was received into (:attr:`raw`) until :attr:`payload`
+    copies it or the last reference goes."""
 
-    sock: socket.socket
-    label: str
-    nonce: bytes
-    payload: bytes
-    """The message without its header."""
-    leftover: bytes = b""
-    """Bytes that arrived after the message (they belong to the connection's next ones; none so far: the
-    admission never reads beyond the first message)."""
+    def __init__(self, sock: socket.socket, label: str, nonce: bytes, raw: mmap.mmap | bytes,
+                 leftover: bytes = b"") -> None:
+        self.sock = sock
+        self.label = label
+        self.nonce = nonce
+        self._raw: mmap.mmap | bytes = raw
+        self.leftover = leftover
+        """Bytes that arrived after the message (they belong to the connection's next ones; none so far: the
+        admission never reads beyond the first message)."""
+
+    @property
+    def raw(self) -> mmap.mmap | bytes:
+        """The message without its header, where it was received (no copy): slices of it are bytes. Read it
+        in ``on_hello``; do not keep it."""
+        return self._raw
+
+    @property
+    def payload(self) -> bytes:
+        """The message without its header, as bytes (copied once; the anonymous memory goes back then)."""
+        raw = self._raw
+        if isinstance(raw, mmap.mmap):
+            self._raw = raw[:]
+            _close_map(raw)
+        return bytes(self._raw)
+
+    def release(self) -> None:
+        """Give the message's memory back now (it reads as empty afterwards). Idempotent."""
+        raw, self._raw = self._raw, b""
+        if isinstance(raw, mmap.mmap):
+            _close_map(raw)
+
+
+def _close_map(raw: mmap.mmap) -> None:
+    try:
+        raw.close()
+    except BufferError:  # a view of it is still held: it goes with the last reference
+        pass
 
 
 def _anonymous(size: int) -> mmap.mmap:
@@ -102,6 +154,10 @@ class _Conn:
     nonce: bytes
     accepted: float
     deadline: float
+    source: str = ""
+    """The peer's address without its port (what fairness counts by)."""
+    hello: PendingHello | None = None
+    """Once the message is complete: what ``on_hello`` is offered (the connection waits in ``_ready``)."""
     head: bytearray = field(default_factory=bytearray)
     """The message's header as it arrives."""
     length: int = -1
@@ -167,6 +223,9 @@ class AdmissionStats:
     refused: int = 0
     """Whole first messages that ``on_hello`` refused (returned None) or failed on."""
     accept_errors: int = 0
+    reset_flooding: int = 0
+    """Accepted and reset at once, unread and unchallenged: their source was past its rate (not in
+    ``accepted``, which counts the connections admitted to a handshake)."""
 
 
 class Admission:
@@ -175,7 +234,8 @@ class Admission:
     def __init__(self, server: socket.socket, *, greet: Callable[[], tuple[bytes, bytes]], header_size: int,
                  message_length: Callable[[bytes], int], on_hello: Callable[[PendingHello], bool | None],
                  preauth_timeout: float, max_hello_bytes: int = MAX_HELLO_BYTES, max_pending: int = MAX_PENDING,
-                 max_pending_bytes: int = MAX_PENDING_BYTES, name: str = "kvt-accept") -> None:
+                 max_pending_bytes: int = MAX_PENDING_BYTES, source_burst: int = SOURCE_BURST,
+                 source_rate: float = SOURCE_RATE, name: str = "kvt-accept") -> None:
         self.server = server
         self.greet = greet
         self.header_size = header_size
@@ -185,10 +245,15 @@ class Admission:
         self.max_hello_bytes = max_hello_bytes
         self.max_pending = max_pending
         self.max_pending_bytes = max_pending_bytes
+        self.source_burst = source_burst
+        self.source_rate = source_rate
         self.stats = AdmissionStats()
         self.logs = RateLimitedLog(log)
         self._pending: dict[int, _Conn] = {}  # fd -> connection still reading its HELLO
-        self._ready: collections.deque[tuple[_Conn, PendingHello]] = collections.deque()  # waiting for on_hello
+        self._ready: collections.deque[_Conn] = collections.deque()  # complete, waiting for on_hello
+        self._sources: dict[str, dict[_Conn, None]] = {}  # source -> its connections (pending or ready), oldest first
+        self._buckets: collections.OrderedDict[str, tuple[float, float]] = collections.OrderedDict()
+        """source -> (handshakes it may still start, when that was computed); least recently seen first."""
         self._buffered = 0
         self._closed = False
         self._wake_r, self._wake_w = socket.socketpair()
@@ -236,8 +301,9 @@ class Admission:
         finally:
             for conn in list(self._pending.values()):
                 self._drop(conn)
-            while self._ready:
-                self._drop(self._ready.popleft()[0])
+            for conn in list(self._ready):
+                self._drop(conn)
+            self._ready.clear()
             self._sel.close()
             for s in (self._wake_r, self._wake_w):
                 s.close()
@@ -245,7 +311,7 @@ class Admission:
     def _step(self) -> None:
         now = time.monotonic()
         timeout = 0.05 if self._ready else 1.0
-        deadlines = [c.deadline for c in self._pending.values()] + [c.deadline for c, _ in self._ready]
+        deadlines = [c.deadline for c in self._pending.values()] + [c.deadline for c in self._ready]
         if deadlines:
             timeout = min(timeout, max(0.0, min(deadlines) - now))
         if not self._accepting:
@@ -270,7 +336,7 @@ class Admission:
         self._offer_ready(now)
 
     def _accept_some(self) -> None:
-        for _ in range(64):  # bounded: the connections already admitted are served in between
+        for _ in range(ACCEPT_BATCH):  # bounded: the connections already admitted are served in between
             try:
                 raw, addr = self.server.accept()
             except (BlockingIOError, InterruptedError):
@@ -283,7 +349,24 @@ class Admission:
                 self._pause(exc)
                 return
             self._backoff = 0.0
-            self._admit(raw, f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr))
+            source = str(addr[0]) if isinstance(addr, tuple) else ""
+            if not self._take_token(source):
+                _reset(raw)
+                self.stats.reset_flooding += 1
+                continue
+            self._admit(raw, f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr), source)
+
+    def _take_token(self, source: str) -> bool:
+        """Whether ``source`` may start one more handshake now (its bucket: ``source_burst`` deep, refilled at
+        ``source_rate`` a second); takes it if so. O(1)."""
+        now = time.monotonic()
+        tokens, stamp = self._buckets.pop(source, (float(self.source_burst), now))
+        tokens = min(float(self.source_burst), tokens + (now - stamp) * self.source_rate)
+        ok = tokens >= 1.0
+        self._buckets[source] = (tokens - 1.0 if ok else tokens, now)  # (now the most recently seen)
+        if len(self._buckets) > MAX_SOURCES:
+            self._buckets.popitem(last=False)
+        return ok
 
     def _pause(self, exc: OSError) -> None:
         """A transient accept error: stop accepting for a while (the kernel keeps completing connections in
@@ -298,16 +381,15 @@ class Admission:
         self.logs.log(logging.WARNING, f"accept-{exc.errno}", "kvtransport: accepting a side-channel connection "
                       "failed (%s); retrying in %.3gs", exc.strerror or exc, self._backoff)
 
-    def _admit(self, raw: socket.socket, label: str) -> None:
+    def _admit(self, raw: socket.socket, label: str, source: str) -> None:
         self.stats.accepted += 1
-        while len(self._pending) + len(self._ready) >= self.max_pending:  # crowded: the oldest goes
-            oldest = min(list(self._pending.values()) + [c for c, _ in self._ready], key=lambda c: c.accepted)
-            self._ready = collections.deque(item for item in self._ready if item[0] is not oldest)
-            self._drop(oldest)
+        while self._sources and len(self._pending) + len(self._ready) >= self.max_pending:
+            heaviest = max(self._sources.values(), key=len)  # crowded: the oldest of the source holding most goes
+            self._drop(next(iter(heaviest)))
             self.stats.dropped_crowded += 1
         now = time.monotonic()
         nonce, challenge = self.greet()
-        conn = _Conn(raw, label, nonce, now, now + self.preauth_timeout)
+        conn = _Conn(raw, label, nonce, now, now + self.preauth_timeout, source)
         try:
             raw.setblocking(False)
             if raw.family in (socket.AF_INET, socket.AF_INET6):
@@ -317,6 +399,7 @@ class Admission:
             raw.close()
             return
         self._pending[raw.fileno()] = conn  # pending before the peer hears from us: who got the challenge sees it
+        self._sources.setdefault(source, {})[conn] = None
         try:
             if raw.send(challenge) != len(challenge):  # a fresh socket's buffer takes it whole
                 raise OSError("short send")
@@ -365,9 +448,12 @@ class Admission:
         self.logs.log(logging.INFO, "bad", "kvtransport: side-channel connection from %s dropped: %s", conn.label, why)
 
     def _complete(self, conn: _Conn) -> None:
+        """The message is whole: it moves, in its own memory, to a PendingHello in ``_ready``."""
         self._sel.unregister(conn.sock)
-        payload = conn.body[: conn.got] if conn.body is not None else b""
-        self._ready.append((conn, PendingHello(conn.sock, conn.label, conn.nonce, payload)))
+        body: mmap.mmap | bytes = conn.body if conn.body is not None else b""
+        conn.hello = PendingHello(conn.sock, conn.label, conn.nonce, body)
+        conn.body = None  # (the hello owns it now)
+        self._ready.append(conn)
         del self._pending[conn.sock.fileno()]  # (after: ``pending`` never misses it)
         self._buffered -= conn.held
         conn.release()
@@ -377,9 +463,9 @@ class Admission:
         """Offer each ready connection to ``on_hello`` once, oldest first. A connection stays in ``_ready``
         (counted in ``pending``) until it is taken or dropped; those the owner is too busy for stay, in order."""
         for _ in range(len(self._ready)):
-            conn, hello = self._ready[0]
-            if conn.deadline <= now:
-                self._ready.popleft()
+            conn = self._ready[0]
+            hello = conn.hello
+            if conn.deadline <= now or hello is None:
                 self._drop(conn)
                 self.stats.dropped_slow += 1
                 continue
@@ -389,17 +475,29 @@ class Admission:
                 self.logs.log(logging.ERROR, "on_hello", "kvtransport: handshake of %s failed: %s: %s", conn.label,
                               type(exc).__name__, exc)
                 taken = None
-                self._drop(conn)
             if taken is False:
                 self._ready.rotate(-1)  # to the back, in one step: the count never changes
                 continue
             self._ready.popleft()
+            self._forget(conn)
+            conn.hello = None  # (the owner's now, or gone with its last reference)
             if taken:
                 self.stats.handed_off += 1
-            else:  # refused by the owner (it closed the socket), or its check raised (dropped above)
+            else:  # refused by the owner (it closed the socket), or its check raised
+                _close(conn.sock)
                 self.stats.refused += 1
 
+    def _forget(self, conn: _Conn) -> None:
+        """Take ``conn`` out of its source's connections."""
+        conns = self._sources.get(conn.source)
+        if conns is not None:
+            conns.pop(conn, None)
+            if not conns:
+                del self._sources[conn.source]
+
     def _drop(self, conn: _Conn) -> None:
+        """Close a connection still in its handshake (reading, or ready and not taken) and forget it."""
+        self._forget(conn)
         fd = conn.sock.fileno()
         if fd >= 0 and self._pending.get(fd) is conn:
             del self._pending[fd]
@@ -408,11 +506,35 @@ class Admission:
                 self._sel.unregister(conn.sock)
             except (KeyError, ValueError):
                 pass
+        if conn.hello is not None:
+            if self._ready and self._ready[0] is conn:
+                self._ready.popleft()
+            else:
+                try:
+                    self._ready.remove(conn)
+                except ValueError:
+                    pass
+            conn.hello.release()
+            conn.hello = None
         conn.release()
-        try:
-            conn.sock.close()
-        except OSError:
-            pass
+        _close(conn.sock)
 
 
-__all__ = ["MAX_HELLO_BYTES", "MAX_PENDING", "MAX_PENDING_BYTES", "Admission", "PendingHello", "RateLimitedLog"]
+def _close(sock: socket.socket) -> None:
+    try:
+        sock.close()
+    except OSError:
+        pass
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close with a reset (SO_LINGER 0): nothing is sent but the RST, no state (TIME_WAIT) stays behind."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    _close(sock)
+
+
+__all__ = ["MAX_HELLO_BYTES", "MAX_PENDING", "MAX_PENDING_BYTES", "SOURCE_BURST", "SOURCE_RATE", "Admission",
+           "PendingHello", "RateLimitedLog"]

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, cast
 from . import wire
 from .admission import PendingHello, RateLimitedLog
 from .backend import InboundLink, PeerInfo
-from .coalesce import BlockRun
 from .config import Settings
 from .doorbell import BellReader
 from .errors import (
@@ -52,6 +51,14 @@ RECONNECT_PROBE_S = 2.0
 """How long a reconnecting sender's handshake waits for its old, probed link to end (see _old_link_gone)."""
 MAX_PENDING_CHECKSUMS = 4096
 """Debug checksums one sender may have waiting for their signals; more drops its link (a bounded buffer)."""
+MAX_PENDING_CHECKSUM_BYTES = 64 << 20
+"""What those checksums may hold, in bytes (their runs, 24 bytes each as they came, plus
+CHECKSUM_RECORD_OVERHEAD each); past it the sender's link drops. A 2k-token request with fully random block
+ids has 128 runs a layer (3 KiB): the count binds first for such records. A 32k-token request of a 128-layer
+model, fully random, waits with 6 MiB of runs: ten such requests put ahead of their signals fit."""
+CHECKSUM_RECORD_OVERHEAD = 256
+"""What one checksum record costs beyond its runs' bytes (its tuple, the runs' object and bytes header, the
+CRC's int, its list and dict slots; ~200 bytes measured), so that records of no runs count too."""
 
 
 def _challenge() -> tuple[bytes, bytes]:
@@ -61,10 +68,13 @@ def _challenge() -> tuple[bytes, bytes]:
 
 
 def _hello_length(header: bytes) -> int:
-    """The payload length of a connection's first frame, which must be a HELLO (ProtocolError otherwise)."""
+    """The payload length of a connection's first frame, which must be a HELLO of at most
+    ``wire.MAX_HELLO_BYTES`` (ProtocolError otherwise: the admission drops it before reading a byte more)."""
     kind, length = wire.parse_header(header)
     if kind != FrameType.HELLO:
         raise ProtocolError(f"expected HELLO, got {kind.name}")
+    if length > wire.MAX_HELLO_BYTES:
+        raise ProtocolError(f"a HELLO of {length} bytes announced; the limit is {wire.MAX_HELLO_BYTES}")
     return length
 
 
@@ -89,8 +99,11 @@ class _Inbound:
         self.link: InboundLink | None = None
         self.peer: str | None = None
         self.closed = False
-        self._checksums: dict[SeqId, list[tuple[int, int, list[BlockRun]]]] = {}
+        self._checksums: dict[SeqId, list[tuple[int, int, wire.PackedRuns]]] = {}
+        """Debug checksums waiting for their signals: (layer, crc, runs as they came) per sequence."""
         self._pending_checksums = 0
+        self._pending_checksum_bytes = 0
+        """What they hold, as MAX_PENDING_CHECKSUM_BYTES counts it."""
         self._acks: dict[tuple[SeqId, int], threading.Event] = {}
         self._acks_lock = threading.Lock()
         self.bell: BellReader | None = None  # the sender's doorbell, when it offered one we could map
@@ -110,9 +123,9 @@ class _Inbound:
         if ev is not None:
             ev.set()
 
-    def serve(self, hello_body: str) -> None:
-        """Handshake thread, then the connection's reader: ``hello_body`` is the HELLO's body (its HMAC over
-        our CHALLENGE's nonce was checked on admission when a secret is set)."""
+    def serve(self, hello_body: bytes) -> None:
+        """Handshake thread, then the connection's reader: ``hello_body`` is the HELLO's body, unparsed (its HMAC
+        over our CHALLENGE's nonce was checked on admission when a secret is set)."""
         cm = self.cm
         try:
             try:
@@ -194,12 +207,16 @@ class _Inbound:
         if kind == FrameType.PUT and two_sided:
             self._on_put(payload)
         elif kind == FrameType.CHECKSUM:
-            seq, ck_layer, crc, runs = wire.decode_checksum(payload)
-            if ck_layer >= cm.layout.num_layers or any(r.dst + r.count > cm.layout.num_blocks for r in runs):
+            seq, ck_layer, crc, runs = wire.decode_checksum_packed(payload)
+            if ck_layer >= cm.layout.num_layers or runs.dst_end > cm.layout.num_blocks:
                 raise ProtocolError("CHECKSUM frame outside our layout")
             self._pending_checksums += 1
             if self._pending_checksums > MAX_PENDING_CHECKSUMS:
                 raise ProtocolError(f"more than {MAX_PENDING_CHECKSUMS} checksums wait for their signals")
+            if self._pending_checksum_bytes + _record_bytes(runs) > MAX_PENDING_CHECKSUM_BYTES:
+                raise ProtocolError(f"checksums of more than {MAX_PENDING_CHECKSUM_BYTES} bytes would wait for their "
+                                    "signals")
+            self._pending_checksum_bytes += _record_bytes(runs)
             self._checksums.setdefault(seq, []).append((ck_layer, crc, runs))
         elif kind == FrameType.ABORT_ACK:
             seq, token = wire.decode_abort(payload)
@@ -259,13 +276,13 @@ class _Inbound:
             log.info("doorbell signals from %s: %s", self.peer, exc)
         return 2
 
-    def _handshake(self, body: str) -> None:
+    def _handshake(self, body: bytes) -> None:
         """The handshake past the (admitted, authenticated) HELLO: metadata, compatibility, the backend's link."""
         cm = self.cm
         deadline = time.monotonic() + cm.settings.timeout
         answer = None
         try:
-            hello = wire.parse_json_payload(body.encode(), "HELLO body")
+            hello = wire.parse_json_payload(body, "HELLO body")
             meta = hello.get("metadata")
             request = hello.get("request")
             if not isinstance(meta, dict) or not isinstance(request, dict):
@@ -309,7 +326,8 @@ class _Inbound:
         pending = self._checksums.get(seq, [])
         due = [c for c in pending if layer is None or c[0] == layer]
         self._pending_checksums -= len(due)
-        self._checksums[seq] = [c for c in pending if c not in due]
+        self._pending_checksum_bytes -= sum(_record_bytes(c[2]) for c in due)
+        self._checksums[seq] = [c for c in pending if not (layer is None or c[0] == layer)]
         if not self._checksums[seq]:
             del self._checksums[seq]
         for lyr, crc, runs in due:
@@ -374,6 +392,11 @@ class _Inbound:
                 log.warning("inbound link close failed: %s", exc)
 
 
+def _record_bytes(runs: wire.PackedRuns) -> int:
+    """What one checksum record counts against MAX_PENDING_CHECKSUM_BYTES."""
+    return len(runs.raw) + CHECKSUM_RECORD_OVERHEAD
+
+
 class ReceiverSide:
     """The receiving side's admission and bookkeeping, as methods of :class:`~kvtransport.manager.CommManager`
     (which inherits them): a HELLO taken from the admission queue (:meth:`_on_hello`), the senders served
@@ -400,12 +423,8 @@ class ReceiverSide:
         a thread), then hands the connection to a handshake thread of its own. Returns True when taken, False
         while every handshake slot is busy (the admission queue offers it again), None when refused."""
         try:
-            outer = wire.parse_json_payload(hello.payload, "HELLO")
-            body = outer.get("body")
-            if not isinstance(body, str):
-                raise ProtocolError("HELLO without body")
-            if self.settings.secret is not None and not wire.auth_ok(
-                    self.settings.secret, hello.nonce, body.encode(), outer.get("auth")):
+            body = wire.hello_body(hello.raw, self.settings.secret, hello.nonce)  # the HMAC first, nothing parsed
+            if body is None:
                 with self._stats_lock:
                     self._stats.refused_peers += 1
                 raise ProtocolError("handshake authentication failed: the peer does not know KV_TRANSPORT_SECRET "

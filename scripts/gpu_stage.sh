@@ -17,7 +17,7 @@ mkdir -p "$S/wheels" "$S/src"
 
 # 1. wheels by section, for the host's Python (3.12, manylinux x86_64)
 section() { awk -v s="[$1]" '/^\[/{on=($0==s); next} on && NF && !/^#/' scripts/gpu-wheels.txt; }
-for sec in vllm gpu nixl; do
+for sec in vllm gpu nixl router; do
   mkdir -p "$S/wheels/$sec"
   section "$sec" > "$S/wheels/$sec.txt"
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -57,10 +57,11 @@ src dlpack "${DLPACK_SRC:-}" https://github.com/dmlc/dlpack "$DLPACK_COMMIT"
 
 # 4. pieces (carry=[".stage/cN"] one per call; gpu_vllm.sh puts them back together on the host)
 rm -rf "$S"/c[0-9]*
-mkdir -p "$S/c1" "$S/c6"
+mkdir -p "$S/c1" "$S/c6" "$S/c7"
 cp "$S"/src/*.tar.gz "$S"/wheels/gpu/*.whl "$S/c1/"
 git rev-parse HEAD > "$S/c1/COMMIT" 2>/dev/null || echo unknown > "$S/c1/COMMIT"  # the code the run measures
 cp "$S"/wheels/nixl/*.whl "$S/c6/"
+cp "$S"/wheels/router/*.whl "$S/c7/"  # vllm-router for the e2e suite's router test (24 MB)
 tmp=$(mktemp -d)
 tar -C "$S" --exclude='vllm-0.24.0-*.whl' -cf "$tmp/stream.tar" wheels/vllm vllm-slim.tar.xz
 split -n 4 -d -a 1 "$tmp/stream.tar" "$tmp/stream.tar."

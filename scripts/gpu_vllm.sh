@@ -3,7 +3,7 @@
 # both ends of every link share cuda:0). Stage the pieces first with scripts/gpu_stage.sh, then, from the
 # repository root on the host, one call per piece and then calls that wait and collect:
 #
-#   bash scripts/gpu_vllm.sh tick [WAIT_S]      (carry=[".stage/c1"], then c2 ... c6, then no carry)
+#   bash scripts/gpu_vllm.sh tick [WAIT_S]      (carry=[".stage/c1"], then c2 ... c7, then no carry)
 #
 # Each tick moves a carried piece to /tmp/kvt-gpu, starts the background run once (setsid: it outlives the
 # call while the host stays warm), waits up to WAIT_S seconds (returning early when the run ends), prints the
@@ -111,6 +111,10 @@ job_e2e() {
   rm -f "$W/e2e.done"
   status "C: GPU e2e suites (P/D and faults; mscclpp and ucx on cuda:0)"
   mscclpp_env
+  if [ -e "$W/pieces/c7.done" ]; then  # vllm-router (its binary lands in /tmp/site/bin)
+    $PIP --target /tmp/site "$W"/pieces/c7/*.whl >"$R/install-router.log" 2>&1
+    export PATH=/tmp/site/bin:$PATH
+  fi
   local pids=() run
   for run in "pd ucx-cuda" "pd mscclpp-cuda" "faults cuda"; do  # the P/D suite per backend side by side
     set -- $run

@@ -67,3 +67,34 @@ def test_only_a_pushing_producer_asks_for_piecewise_cuda_graphs() -> None:
     assert requires_layerwise({}, "kv_both") is True
     assert requires_layerwise({}, "kv_consumer") is False
     assert requires_layerwise({"mode": "pull"}, "kv_producer") is False
+
+
+def _non_loopback_interface() -> str | None:
+    from kvtransport.config import list_interfaces
+
+    for name, addr in list_interfaces().items():
+        if addr and not addr.startswith("127."):
+            return name
+    return None
+
+
+def test_without_a_secret_the_side_channels_listen_beyond_loopback_only_when_told() -> None:
+    """Issue 29: with no secret, anyone who reaches the port can claim an engine id; an interface beyond
+    loopback is refused (one line naming both fixes) unless allow_open says so; with a secret it is fine."""
+    from kvtransport_vllm.config import startup_problem
+
+    from kvtransport.errors import ConfigurationError
+
+    ifname = _non_loopback_interface()
+    if ifname is None:
+        pytest.skip("this machine has no interface beyond loopback")
+    assert resolve_settings({}, env={}).address == "127.0.0.1"
+    with pytest.raises(ConfigurationError, match=r"KV_TRANSPORT_SECRET.*KV_TRANSPORT_ALLOW_OPEN=1"):
+        resolve_settings({}, env={"NET_IFNAME": ifname}).address  # noqa: B018
+    problem = startup_problem({}, env={"NET_IFNAME": ifname})
+    assert problem is not None and problem.startswith("ConfigurationError: NET_IFNAME=") and "\n" not in problem
+    opened = resolve_settings({}, env={"NET_IFNAME": ifname, "KV_TRANSPORT_ALLOW_OPEN": "1"}).address
+    assert not opened.startswith("127.")
+    assert resolve_settings({"allow_open": True}, env={"NET_IFNAME": ifname}).address == opened
+    assert resolve_settings({"allow_open": "yes"}, env={"NET_IFNAME": ifname}).allow_open is False  # a bool only
+    assert resolve_settings({}, env={"NET_IFNAME": ifname, "KV_TRANSPORT_SECRET": "s"}).address == opened

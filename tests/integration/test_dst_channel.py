@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (integration/vllm/ci_setup.sh builds its venv)")
 pytest.importorskip("kvtransport_vllm", reason="kvtransport-vllm is not installed")
 
-from kvtransport_vllm.protocol import MAX_WORKER_LINKS, check_worker_at
+from kvtransport_vllm.protocol import MAX_WORKER_LINKS, PROTOCOL_VERSION, check_worker_at
 from kvtransport_vllm.sidechannel import PeerClient, SideChannelServer
 
 from .test_scheduler_connector import Pair, _decode_admit
@@ -22,7 +22,7 @@ from .vllm_helpers import make_request, wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(120)]
 
-HELLO = {"type": "hello", "version": 3, "engine_id": "D", "compat": "c", "tp_size": 1, "workers": {}}
+HELLO = {"type": "hello", "version": PROTOCOL_VERSION, "engine_id": "D", "compat": "c", "tp_size": 1, "workers": {}}
 
 
 def events(q: queue.Queue, kind: str, timeout: float = 10) -> list[tuple]:

@@ -58,11 +58,10 @@ def handshake(srv: Any, secret: bytes | None = SECRET, body: dict[str, Any] | No
     s = dial(srv)
     challenge = proto.recv_message(s)
     nonce = proto.new_nonce()
-    proto.send_message(s, proto.seal({**(body or hello()), "nonce": nonce.hex()}, secret,
-                                     bytes.fromhex(challenge["nonce"])))
-    reply = proto.recv_message(s)
-    if reply["type"] == "welcome":
-        reply = proto.unseal(reply, secret, nonce)
+    proto.send_frame(s, proto.seal({**(body or hello()), "nonce": nonce.hex()}, secret,
+                                   bytes.fromhex(challenge["nonce"])))
+    payload = proto.recv_frame(s)
+    reply = proto.unseal(payload, secret, nonce) if proto.is_sealed(payload) else proto.parse_message(payload)
     return s, reply
 
 
@@ -129,10 +128,10 @@ def test_the_client_refuses_a_prefill_that_does_not_prove_the_secret() -> None:
             with conn:
                 proto.send_message(conn, {"type": "challenge", "version": proto.PROTOCOL_VERSION,
                                           "nonce": proto.new_nonce().hex()})
-                got = proto.parse_message(proto.recv_message(conn)["body"])
+                got = proto.unseal(proto.recv_frame(conn), None, b"")  # (no secret: the HMAC is not checked)
                 welcome = {"type": "welcome", "version": proto.PROTOCOL_VERSION, "engine_id": "impostor",
                            "compat": COMPAT, "compat_info": COMPAT_INFO, "lease": 30.0}
-                proto.send_message(conn, proto.seal(welcome, b"impostor-secret", bytes.fromhex(got["nonce"])))
+                proto.send_frame(conn, proto.seal(welcome, b"impostor-secret", bytes.fromhex(got["nonce"])))
                 conn.recv(1)
 
         threading.Thread(target=fake_prefill, daemon=True).start()
@@ -266,23 +265,99 @@ def test_a_decode_cannot_act_on_another_decodes_request(prefill) -> None:
     assert src.dsts[0].cancelled
 
 
+def answer_pings(s: socket.socket, stop: threading.Event) -> threading.Thread:
+    """A raw client's reader that answers every ping with its pong (what PeerClient does)."""
+    def run() -> None:
+        s.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                msg = proto.recv_message(s)
+            except TimeoutError:
+                continue
+            except (OSError, proto.ProtocolFailure):
+                return
+            if msg.get("type") == "ping":
+                proto.send_message(s, {"type": "pong", "token": msg["token"]})
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
 def test_a_second_peer_under_a_live_engines_id_is_refused_and_a_reconnect_after_its_death_gets_in(server) -> None:
+    """The connection holding an engine id answers pings: a second claimant is refused (retry), the holder
+    stays. Gone, its id goes to the next claimant at once."""
     srv, inbox = server
     first, reply = handshake(srv)
     assert reply["type"] == "welcome" and inbox.get(timeout=5)[:2] == ("hello", "decode-A")
+    stop = threading.Event()
+    answer_pings(first, stop)
     t0 = time.monotonic()
-    impostor, reply = handshake(srv)  # same engine id, proves the secret too: the live one is probed first
+    second, reply = handshake(srv)  # same engine id, proves the secret too: the live one is probed first
     assert reply == {"type": "refuse", "version": proto.PROTOCOL_VERSION,
                      "reason": "engine id decode-A is already connected", "retry": True}
-    assert time.monotonic() - t0 < sc.RECONNECT_PROBE_S + 2
-    first.settimeout(5)
-    assert proto.recv_message(first) == {"type": "ping"}  # the probe reached the live connection, which stays
-    assert not closed_by_peer(first, within=0.3)
-    impostor.close()
+    assert time.monotonic() - t0 < sc.RECONNECT_PROBE_S
+    assert srv.send("decode-A", {"type": "ready", "xfers": []})  # still the first's
+    second.close()
+    stop.set()
     first.close()  # the engine goes away; it reconnects under its id
     again, reply = handshake(srv)
     assert reply["type"] == "welcome"
     again.close()
+
+
+def test_an_impostor_holding_a_decodes_id_loses_it_to_the_real_decode_within_one_ping(server) -> None:
+    """An impostor (it proved the secret: any holder can) takes decode-A's id first and ignores pings. The real
+    decode-A (a PeerClient, which answers them) gets in within RECONNECT_PROBE_S, the impostor's connection is
+    closed, and what the prefill sends to decode-A from then on reaches the real one only."""
+    srv, inbox = server
+    impostor, reply = handshake(srv)
+    assert reply["type"] == "welcome" and inbox.get(timeout=5)[:2] == ("hello", "decode-A")
+    decode_inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
+    t0 = time.monotonic()
+    real = sc.PeerClient(srv.host, srv.port, hello, compat, decode_inbox, timeout=10, secret=SECRET)
+    try:
+        deadline = time.monotonic() + 5
+        while real.peer_engine is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        took = time.monotonic() - t0
+        assert real.peer_engine == "prefill-P" and not real.dead
+        assert took < sc.RECONNECT_PROBE_S + 0.5, took
+        events = [inbox.get(timeout=5)]  # the real one's hello (its connection is held), maybe the impostor's end
+        while events[-1][0] != "hello":
+            events.append(inbox.get(timeout=5))
+        assert [e[:2] for e in events] in ([("hello", "decode-A")], [("bye", "decode-A"), ("hello", "decode-A")])
+        assert srv.send("decode-A", {"type": "ready", "xfers": ["x7"]})
+        assert decode_inbox.get(timeout=5) == ("ready", (srv.host, srv.port), ["x7"])
+        impostor.settimeout(5)
+        got = []
+        try:
+            while True:
+                got.append(proto.recv_message(impostor))
+        except (OSError, proto.ProtocolFailure):
+            pass
+        assert [m["type"] for m in got] == ["ping"]  # the probe, then its connection closed: nothing else
+    finally:
+        real.close()
+        impostor.close()
+
+
+def test_refusals_of_a_claimant_are_logged_at_a_bounded_rate(server, caplog) -> None:
+    """60 claimants of a live engine's id in a row: each refused, the log says so a bounded number of times."""
+    srv, _ = server
+    first, reply = handshake(srv)
+    assert reply["type"] == "welcome"
+    stop = threading.Event()
+    answer_pings(first, stop)
+    with caplog.at_level("ERROR", logger="vllm.kvtransport"):
+        for _ in range(60):
+            s, reply = handshake(srv)
+            assert reply["type"] == "refuse" and reply["retry"] is True
+            s.close()
+    lines = [r for r in caplog.records if "refusing decode engine" in r.getMessage()]
+    assert len(lines) == 1, len(lines)  # the first at once; the rest within the interval suppressed
+    stop.set()
+    first.close()
 
 
 def test_a_connection_whose_peer_does_not_read_is_closed_past_its_backlog_bound(monkeypatch) -> None:
@@ -334,8 +409,8 @@ def test_a_handshake_thread_that_cannot_start_refuses_only_that_peer(server, mon
     monkeypatch.setattr(threading.Thread, "start", start)
     s = dial(srv)
     challenge = proto.recv_message(s)
-    proto.send_message(s, proto.seal({**hello(), "nonce": proto.new_nonce().hex()}, SECRET,
-                                     bytes.fromhex(challenge["nonce"])))
+    proto.send_frame(s, proto.seal({**hello(), "nonce": proto.new_nonce().hex()}, SECRET,
+                                   bytes.fromhex(challenge["nonce"])))
     assert closed_by_peer(s) and failed == ["kvt-sc-in"]
     s, reply = handshake(srv)  # the server keeps serving
     assert reply["type"] == "welcome"
@@ -351,8 +426,8 @@ def test_first_token_messages_are_checked_before_the_scheduler_sees_them() -> No
         s.settimeout(5)
         nonce = proto.new_nonce()
         proto.send_message(s, {"type": "challenge", "version": proto.PROTOCOL_VERSION, "nonce": nonce.hex()})
-        theirs = proto.unseal(proto.recv_message(s), None, nonce)
-        proto.send_message(s, proto.seal({"type": "welcome", "version": proto.PROTOCOL_VERSION, "engine_id": "P",
+        theirs = proto.unseal(proto.recv_frame(s), None, nonce)
+        proto.send_frame(s, proto.seal({"type": "welcome", "version": proto.PROTOCOL_VERSION, "engine_id": "P",
                                           "compat": COMPAT, "compat_info": COMPAT_INFO, "lease": 30, "senders": {}},
                                          None, bytes.fromhex(theirs["nonce"])))
         for bad in ({"type": "first", "xfer": "x", "token": -1}, {"type": "first", "xfer": "x", "token": True},
@@ -385,3 +460,45 @@ def test_one_decode_cannot_take_every_place_for_early_destinations() -> None:
         assert "y" in side.orphans  # another decode still has room
     finally:
         side.shutdown()
+
+
+def test_a_wrong_secret_fails_the_waiting_request_at_once_not_at_the_connect_timeout(server) -> None:
+    """Issue 32: a refusal for the secret is final (no retry until connect_timeout): a decode with a 30 s
+    connect timeout fails its request in well under a second."""
+    srv, _ = server
+    decode_inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
+    t0 = time.monotonic()
+    bad = sc.PeerClient(srv.host, srv.port, hello, compat, decode_inbox, timeout=30, secret=b"wrong")
+    bad.send({"type": "dst", "xfer": "x", "dsts": [{"seq": "r9", "blocks": [1]}]})
+    kind, seq, reason = decode_inbox.get(timeout=5)
+    assert (kind, seq) == ("fail", "r9") and "KV_TRANSPORT_SECRET" in reason
+    assert time.monotonic() - t0 < 2.0
+    assert srv.refused == 1
+
+
+@pytest.mark.parametrize("welcome_frame", ["zero-tag", "plain-json"])
+def test_a_welcome_without_a_valid_tag_is_refused_by_a_decode_with_a_secret(welcome_frame: str) -> None:
+    """Issue 32: a fake prefill answers a decode that has a secret with a welcome sealed without an HMAC (the
+    32 zero bytes a secret-less side sends) or with a plain JSON welcome: the decode trusts neither."""
+    with socket.create_server(("127.0.0.1", 0)) as lsock:
+        def fake_prefill() -> None:
+            conn, _ = lsock.accept()
+            with conn:
+                proto.send_message(conn, {"type": "challenge", "version": proto.PROTOCOL_VERSION,
+                                          "nonce": proto.new_nonce().hex()})
+                got = proto.unseal(proto.recv_frame(conn), None, b"")
+                welcome = {"type": "welcome", "version": proto.PROTOCOL_VERSION, "engine_id": "impostor",
+                           "compat": COMPAT, "compat_info": COMPAT_INFO, "lease": 30.0}
+                if welcome_frame == "zero-tag":
+                    proto.send_frame(conn, proto.seal(welcome, None, bytes.fromhex(got["nonce"])))
+                else:
+                    proto.send_message(conn, welcome)
+                conn.recv(1)
+
+        threading.Thread(target=fake_prefill, daemon=True).start()
+        inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        client = sc.PeerClient("127.0.0.1", lsock.getsockname()[1], hello, compat, inbox, timeout=5, secret=SECRET)
+        client.send({"type": "dst", "xfer": "x", "dsts": [{"seq": "r1", "blocks": [1]}]})
+        kind, seq, reason = inbox.get(timeout=5)
+        assert (kind, seq) == ("fail", "r1") and "did not prove KV_TRANSPORT_SECRET" in reason
+        assert client.peer_engine is None

@@ -141,6 +141,7 @@ def test_a_destination_bound_mid_forward_over_the_direct_channel(pd) -> None:
     """The decode's blocks reach the worker straight over its destination channel (no plan carries them) while
     the forward is between layer 0 and layer 1: layer 0 goes at once in one put, the others as they come; every
     block of every layer is written once and the request lands."""
+    from kvtransport_vllm.protocol import PROTOCOL_VERSION
     from kvtransport_vllm.sidechannel import PeerClient
 
     p, d, src, dst = pd
@@ -148,7 +149,8 @@ def test_a_destination_bound_mid_forward_over_the_direct_channel(pd) -> None:
     d.bind(StepPlan(recv_start={"mid": 60}))
     names = list(src)
     host, port = p.handshake()["dst_at"]
-    hello = {"type": "hello", "version": 3, "engine_id": "D", "compat": "x", "tp_size": 1, "workers": {}}
+    hello = {"type": "hello", "version": PROTOCOL_VERSION, "engine_id": "D", "compat": "x", "tp_size": 1,
+             "workers": {}}
     inbox: queue.Queue = queue.Queue()
     link = PeerClient(host, port, lambda: hello, lambda: ("x", {}), inbox, 10, worker=True)
     try:

@@ -26,6 +26,10 @@ Keys of ``kv_connector_extra_config`` (all optional)::
                        not held while requests queue at the prefill. 1 = always at once, 0 = always wait
     secret             shared secret both side channels prove (HMAC), the core's and the scheduler's
                        (``backend_options.secret``, else env KV_TRANSPORT_SECRET, default none: open)
+    allow_open         without a secret the side channels listen on loopback only: an interface beyond it
+                       (NET_IFNAME) is refused at start-up unless this is true (env KV_TRANSPORT_ALLOW_OPEN=1):
+                       anyone who reaches the port could then claim an engine id, send destinations or cancel
+                       (default false)
     model_id           model identity for the compatibility hash (default: basename of the model path)
     backend_options    dict handed to kvtransport.open (capacity, timeout, backend knobs)
     debug_push_delay   test-only: seconds the prefill worker holds back the final signal of a request whose
@@ -74,6 +78,7 @@ class ConnectorSettings:
     debug_dst_delay: float = 0.0
     debug_hold: bool = False
     secret: bytes | None = field(default=None, repr=False)
+    allow_open: bool = False
 
     @property
     def source_ttl(self) -> float:
@@ -82,12 +87,24 @@ class ConnectorSettings:
 
     @property
     def address(self) -> str:
-        """The IPv4 address of ``ifname`` (loopback when unset). Raises InterfaceNotFound."""
+        """The IPv4 address of ``ifname`` (loopback when unset) the side channels listen on. Raises
+        InterfaceNotFound, or ConfigurationError for an address beyond loopback without a secret (unless
+        ``allow_open``)."""
         if not self.ifname:
             return "127.0.0.1"
-        from kvtransport.config import interface_address
+        import ipaddress
 
-        return str(interface_address(self.ifname))
+        from kvtransport.config import interface_address
+        from kvtransport.errors import ConfigurationError
+
+        address = str(interface_address(self.ifname))
+        if self.secret is None and not self.allow_open and not ipaddress.ip_address(address).is_loopback:
+            raise ConfigurationError(
+                f"NET_IFNAME={self.ifname} ({address}) is beyond loopback and no secret is set: anyone who reaches "
+                "the side channel could claim an engine id or send destinations; fix: set KV_TRANSPORT_SECRET "
+                "(the same on every instance), or KV_TRANSPORT_ALLOW_OPEN=1 (extra config allow_open: true) on a "
+                "network you trust")
+        return address
 
 
 def resolve_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> ConnectorSettings:
@@ -153,6 +170,8 @@ def resolve_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str] | N
         debug_dst_delay=max(0.0, _finite("debug_dst_delay", 0.0)),
         debug_hold=extra.get("debug_hold", False) is True,
         secret=_secret(opts.get("secret"), env),
+        allow_open=extra.get("allow_open") is True
+        or str(env.get("KV_TRANSPORT_ALLOW_OPEN", "")).strip().lower() in ("1", "true", "yes"),
     )
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import trace
 from .compat import first_token_emitter
-from .metadata import Failure, FailureKind, StepPlan, push_transfer_id, side_channel_of
+from .metadata import Failure, FailureKind, StepPlan, TransferParams
 from .sidechannel import PeerClient
 
 if TYPE_CHECKING:
@@ -88,25 +88,23 @@ class Consumer:
     # ------------------------------------------------------------------ vLLM hooks (decode requests)
     def on_new_request(self, request: Any) -> None:
         """Take a lease on the transfer at once (the prefill then knows who holds it)."""
-        params = request.kv_transfer_params
-        addr = self._peer_addr(params)
-        xfer = self._xfer(params)
+        params = self.side.params(request)  # checked (the scheduler side refused a request with bad ones)
+        addr, xfer = params.side_channel, params.transfer
         if addr is not None and xfer:
-            self.wanted[request.request_id] = (str(xfer), addr)
+            self.wanted[request.request_id] = (xfer, addr)
             self.arrived[request.request_id] = time.monotonic()
-            self._outgoing[addr].append({"type": "renew", "xfers": [str(xfer)]})
-            trace.event("d.new", str(xfer), seq=request.request_id)
-            if params.get("kvt_first_token") is True and push_transfer_id(params):
-                self.first_waits[request.request_id] = _FirstWait(request, str(xfer), addr,
-                                                                 int(request.num_prompt_tokens))
+            self._outgoing[addr].append({"type": "renew", "xfers": [xfer]})
+            trace.event("d.new", xfer, seq=request.request_id)
+            if params.first_token and params.xfer:
+                self.first_waits[request.request_id] = _FirstWait(request, xfer, addr, int(request.num_prompt_tokens))
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Claim the rest of the prompt for remote KV ``(n, True)`` once admitted (:meth:`_admit_now`),
         ``(None, False)`` until then."""
-        params = request.kv_transfer_params
-        if request.request_id in self.consumed or not self._peer_addr(params):
+        params = self.side.params(request)
+        if request.request_id in self.consumed or not params.side_channel:
             return 0, False
-        if self.settings.debug_hold and params.get("kvt_debug_hold") is True:
+        if self.settings.debug_hold and params.debug_hold:
             return None, False  # test-only (debug_hold): never admitted; the lease is still renewed
         first = self.first_waits.get(request.request_id)
         count = (first.prompt_len if first is not None else request.num_prompt_tokens) - num_computed_tokens
@@ -123,12 +121,12 @@ class Consumer:
         except Exception:  # a pool without get_usage: treat as empty
             return 0.0
 
-    def _admit_now(self, rid: str, params: dict[str, Any]) -> bool:
+    def _admit_now(self, rid: str, params: TransferParams) -> bool:
         """Whether to allocate ``rid``'s blocks now. Pull-flow KV exists already: yes. Push flow: yes
         while the cache is below ``admit_below`` used, or once the prefill said it is about to compute the
         request (``ready``); also when the KV cannot come any more (the request is then admitted only to take
         vLLM's failure path: an unallocated request cannot fail otherwise)."""
-        xfer = push_transfer_id(params)
+        xfer = params.xfer
         if not xfer:
             return True
         if rid in self.doomed or xfer in self.ready_xfers or self._kv_usage() < self.settings.admit_below:
@@ -137,7 +135,7 @@ class Consumer:
         self.side._drain_inbox(now)
         if rid in self.doomed or xfer in self.ready_xfers:
             return True
-        addr = self._peer_addr(params)
+        addr = params.side_channel
         client = self.clients.get(addr) if addr is not None else None
         if client is not None and client.dead:
             self.doomed[rid] = Failure(FailureKind.SIDE_CHANNEL_UNUSABLE,
@@ -151,36 +149,24 @@ class Consumer:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Record the allocated destination blocks and queue them for the prefill side."""
-        params = request.kv_transfer_params
+        params = self.side.params(request)
         if request.request_id in self.consumed:
             return
-        addr = self._peer_addr(params)
+        addr = params.side_channel
         if addr is None:
             return
         rid = request.request_id
         self.consumed.add(rid)
         self.arrived.pop(rid, None)
-        xfer = str(self._xfer(params))
-        mode = "push" if push_transfer_id(params) else "pull"
+        xfer = str(params.transfer)  # the parser refuses a decode request with a side channel and no transfer
+        mode = "push" if params.xfer else "pull"
         doomed = self.doomed.pop(rid, None)
         if num_external_tokens <= 0 or doomed is not None:
             # everything was found locally (or the KV cannot come): tell the prefill side not to wait for us
             self._outgoing[addr].append({"type": "cancel", "xfer": xfer, "seqs": [], "count": 1, "mode": mode})
             if num_external_tokens <= 0:
                 return
-        ids = blocks.get_block_ids()
-        all_ids = list(ids[0])
-        if len(ids) > 1:
-            # hybrid: every group's list covers the same token blocks (a sliding window's skipped ones are the null
-            # block, left out of the unhashed lists); the new blocks are the trailing ones of a full-attention
-            # group, the most of any group
-            new = max(len(g) for g in blocks.get_unhashed_block_ids_all_groups())
-            offset = len(all_ids) - new
-            unhashed = all_ids[offset:]
-        else:
-            unhashed = list(blocks.get_unhashed_block_ids())
-            offset = len(all_ids) - len(unhashed)
-        extra = [list(g[offset:offset + len(unhashed)]) for g in ids[1:]]
+        offset, unhashed, extra = new_blocks(blocks)
         self.recvs[rid] = _Recv(rid, xfer, addr, time.monotonic())
         self._recv_start[rid] = self.settings.transfer_timeout
         first = self.first_waits.get(rid)
@@ -199,7 +185,7 @@ class Consumer:
         if extra:
             dst["groups"] = extra
         msg = {"type": "dst", "xfer": xfer, "mode": mode, "dsts": [dst]}
-        if self.settings.debug_dst_delay > 0 and params.get("kvt_debug_late") is True:  # test only: a late decode
+        if self.settings.debug_dst_delay > 0 and params.debug_late:  # test only: a late decode
             self._late.append((time.monotonic() + self.settings.debug_dst_delay, addr, msg))
             return
         self._outgoing[addr].append(msg)
@@ -219,12 +205,11 @@ class Consumer:
             self._recv_start.pop(rid, None)
             self._outgoing[rec.addr].append({"type": "cancel", "xfer": rec.xfer, "seqs": [rid], "count": 0})
         elif rid not in self.consumed:
-            params = request.kv_transfer_params or {}
-            addr = self._peer_addr(params)
-            xfer = self._xfer(params)
+            params = self.side.params(request)
+            addr, xfer = params.side_channel, params.transfer
             if addr is not None and xfer:  # never allocated: the prefill should not wait (push) or hold (pull)
-                self._outgoing[addr].append({"type": "cancel", "xfer": str(xfer), "seqs": [], "count": 1,
-                                             "mode": "push" if push_transfer_id(params) else "pull"})
+                self._outgoing[addr].append({"type": "cancel", "xfer": xfer, "seqs": [], "count": 1,
+                                             "mode": "push" if params.xfer else "pull"})
         self.consumed.discard(rid)
 
     def landed(self, finished_recving: set[str]) -> None:
@@ -324,16 +309,6 @@ class Consumer:
             self._first_ready.add(rid)
             trace.event("d.first", xfer, seq=rid)
 
-    @staticmethod
-    def _peer_addr(params: dict[str, Any]) -> tuple[str, int] | None:
-        return side_channel_of(params)
-
-    @staticmethod
-    def _xfer(params: dict[str, Any]) -> str | None:
-        """The transfer a decode request's KV comes with: the push flow's id, or the pulled prefill request."""
-        remote = params.get("remote_request_id")
-        return push_transfer_id(params) or (str(remote)[:512] if remote else None)
-
     def _renew(self, now: float) -> None:
         """Every lease/3 (the prefill's lease, from its welcome), renew the transfers still wanted."""
         by_addr: dict[tuple[str, int], set[str]] = defaultdict(set)
@@ -410,6 +385,24 @@ class Consumer:
             c.close()
         for link in self.worker_links.values():
             link.close()
+
+
+def new_blocks(blocks: Any) -> tuple[int, list[int], list[list[int]]]:
+    """The blocks vLLM just allocated for a request (``KVCacheBlocks``) that its remote KV lands in: (the index
+    of the first in the request's blocks, their ids in KV cache group 0, those of groups 1..)."""
+    ids = blocks.get_block_ids()
+    all_ids = list(ids[0])
+    if len(ids) > 1:
+        # hybrid: every group's list covers the same token blocks (a sliding window's skipped ones are the null
+        # block, left out of the unhashed lists); the new blocks are the trailing ones of a full-attention
+        # group, the most of any group
+        new = max(len(g) for g in blocks.get_unhashed_block_ids_all_groups())
+        offset = len(all_ids) - new
+        unhashed = all_ids[offset:]
+    else:
+        unhashed = list(blocks.get_unhashed_block_ids())
+        offset = len(all_ids) - len(unhashed)
+    return offset, unhashed, [list(g[offset:offset + len(unhashed)]) for g in ids[1:]]
 
 
 def append_prompt_token(request: Any, token: int) -> None:

@@ -22,12 +22,35 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtransport import KVLayout
+from kvtransport import KVLayout, LayoutError
 from kvtransport.layout import LayerRegion, Plane
-from kvtransport.reshard import Shard
+from kvtransport.reshard import Shard, kv_heads_of, senders_to
 
 SUBSEQ = "#kvt-p"
 """Sequence id of one source rank's part when a destination rank hears from several: ``{req}#kvt-p{rank}``."""
+
+KV_ORDERS = ("HN", "NH", "CPU")
+"""The head orders a peer's geometry may name (:class:`Geometry`); None: its layout serves like-for-like peers only."""
+MAX_PEER_TP = 64
+"""The largest TP size a peer may claim (a decode's geometry, a prefill's ``senders``). vLLM runs one engine's TP
+group on one NVLink domain (8 GPUs per host, up to 72 per rack), and past its KV head count a TP size only replicates
+heads: 64 ranks cover every deployment we know of. Each claimed rank costs a prefill worker a link (a socket and a
+connect thread, ``pusher.MAX_LINKS_PER_PEER``) and one push per rank in every expansion: a decode claiming 1,024 ranks
+of 1-token blocks made one 2,048-token push 131,072 unit runs (~10 s on the pusher thread, whose GIL the forward
+shares: issue 29)."""
+MAX_PEER_BLOCK_SIZE = 1 << 20
+"""The largest block size a peer may claim (tokens per block; vLLM's largest is 256; the scheduler's own bound)."""
+MAX_PIECES_PER_TOKEN = 8
+"""Pieces one prompt token may cost the expansion of a push towards one unlike peer, summed over the peer's ranks this
+worker sends to (:func:`served_ranks`). A piece is one of our KV heads over a stretch of tokens between two block
+boundaries of either side: what :func:`kvtransport.reshard.reshard_runs` maps one at a time, 5-16 us each on the
+pusher thread, whose GIL the forward shares (2-core VM, idle to loaded; vLLM's CPU layout costs ``head_size + 1``
+times that, a property of our own cache). Per token: (1/our block size + 1/theirs) per head per rank. Legitimate
+mappings cost 0.1 to 1 (8 heads at TP1 towards TP 2..8, 16-token blocks: a 2,048-token push in 10-20 ms); 8 allows
+a decode of 64 ranks at 16-token blocks (0.08-0.3 s per 2,048 tokens). Smaller decode blocks on many ranks drive it
+up: 64 ranks of 1-token blocks cost 68 (and 1,024 such ranks ~10 s for that push: issue 29). The bound is raised for
+a rank holding many heads in small blocks (to 4 x its heads / its block size: a like-TP peer at half our block size
+costs 3 x its heads / its block size)."""
 
 
 @dataclass(frozen=True)
@@ -101,3 +124,74 @@ def part_seq(seq: str, src_rank: int, senders: int) -> str:
 def base_seq(seq: str) -> str:
     """Inverse of :func:`part_seq`."""
     return seq.split(SUBSEQ, 1)[0]
+
+
+def _brief(value: Any) -> str:
+    """A peer-supplied value for an error message: short, never raising (a 5,000-digit int cannot be ``repr``'d)."""
+    if isinstance(value, bool) or value is None or (isinstance(value, int) and abs(value) < 1 << 63):
+        return repr(value)
+    if isinstance(value, str) and len(value) <= 16:
+        return repr(value)
+    return f"a {type(value).__name__}"
+
+
+def _count(value: Any, name: str, limit: int, why: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+        raise LayoutError(f"{name} {_brief(value)} is not an int in 1..{limit}{why}")
+    return value
+
+
+def check_peer_geometry(raw: Any) -> dict[str, Any]:
+    """A peer's geometry (``tp_size``, ``block_size``, ``kv_order``, as its hello says and the scheduler forwards it)
+    checked for types and ranges: a clean copy. Raises LayoutError naming the field and the fix. O(1)."""
+    if not isinstance(raw, Mapping):
+        raise LayoutError(f"geometry must be an object with tp_size, block_size and kv_order, got {_brief(raw)}")
+    tp = _count(raw.get("tp_size"), "tp_size", MAX_PEER_TP, " (MAX_PEER_TP: run that decode at a TP size of at most "
+                f"{MAX_PEER_TP})")
+    bs = _count(raw.get("block_size"), "block_size", MAX_PEER_BLOCK_SIZE)
+    order = raw.get("kv_order")
+    if order is not None and order not in KV_ORDERS:
+        raise LayoutError(f"kv_order {_brief(order)} is none of {', '.join(KV_ORDERS)}")
+    return {"tp_size": tp, "block_size": bs, "kv_order": order}
+
+
+def served_ranks(local: Shard, geo: Mapping[str, Any]) -> list[int]:
+    """The ranks of an unlike peer of geometry ``geo`` (from :func:`check_peer_geometry`) that the worker of shard
+    ``local`` sends to (those it holds heads for), once it is known that the peer's split fits the model, that the
+    units match, and that a push's expansion stays within MAX_PIECES_PER_TOKEN. Raises LayoutError naming the fix.
+    O(tp_size) <= O(MAX_PEER_TP)."""
+    tp, bs, order = int(geo["tp_size"]), int(geo["block_size"]), geo["kv_order"]
+    if order is None:
+        raise LayoutError("its KV cache layout serves like-for-like peers only (not dense per layer, e.g. cross-layer "
+                          "blocks): run both sides with the same TP size and block size")
+    if (order == "CPU") != (local.order == "CPU"):
+        raise LayoutError(f"kv_order {order} against ours {local.order}: vLLM's CPU attention exchanges KV only with "
+                          "CPU attention")
+    kv_heads_of(local.num_kv_heads, tp, 0)  # the split fits the model (raises LayoutError naming it)
+    ranks: list[int] = []
+    cost = 0.0
+    for rank in range(tp):
+        dst = Shard(tp, rank, local.num_kv_heads, bs, order, local.head_size)
+        heads = senders_to(local.tp_size, dst).get(local.tp_rank, ())
+        if heads:
+            ranks.append(rank)
+            cost += len(heads) * (1.0 / local.block_size + 1.0 / bs)  # pieces per token (MAX_PIECES_PER_TOKEN)
+    limit = max(MAX_PIECES_PER_TOKEN, 4 * len(local.heads) / local.block_size)
+    if cost > limit:
+        raise LayoutError(f"mapping our KV onto tp_size {tp}, block_size {bs} costs {cost:g} pieces per prompt token "
+                          f"(limit {limit:g}, MAX_PIECES_PER_TOKEN): run that decode with larger blocks or fewer ranks")
+    return ranks
+
+
+def check_senders(senders: Mapping[int, str], num_kv_heads: int | None) -> None:
+    """A prefill's ``senders`` (its tp rank -> kvtransport instance id, from its welcome) as a decode worker binds a
+    request to them: at most MAX_PEER_TP ranks, exactly ``0..n-1`` (a gap would bind only some heads), and, when
+    the model's KV head count is known, a TP split of it. Raises LayoutError naming the fix. O(1) past the size
+    check, O(MAX_PEER_TP) at most."""
+    n = len(senders)
+    if not 1 <= n <= MAX_PEER_TP:
+        raise LayoutError(f"the prefill names {n} worker ranks: 1..{MAX_PEER_TP} expected (MAX_PEER_TP)")
+    if set(senders) != set(range(n)):
+        raise LayoutError(f"the prefill's worker ranks are not 0..{n - 1}: {[_brief(r) for r in list(senders)[:8]]}")
+    if num_kv_heads is not None:
+        kv_heads_of(num_kv_heads, n, 0)

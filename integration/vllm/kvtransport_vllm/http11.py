@@ -153,7 +153,7 @@ Handler = Callable[[Request, "Reply"], Awaitable[None]]
 class Reply:
     """The answer to one request: whole (:meth:`send`) or streamed (:meth:`start`, :meth:`write`, :meth:`end`)."""
 
-    __slots__ = ("_chunked", "_conn", "_head", "_keep_alive", "finished", "started")
+    __slots__ = ("_chunked", "_conn", "_head", "_keep_alive", "aborted", "finished", "started", "status")
 
     def __init__(self, conn: _ServerConnection, keep_alive: bool, chunked: bool) -> None:
         self._conn = conn
@@ -161,7 +161,9 @@ class Reply:
         self._chunked = chunked  # False for an HTTP/1.0 client: a streamed body ends with the connection
         self._head = b""
         self.started = False  # the status line is decided (sent or waiting for the first chunk)
-        self.finished = False  # the whole reply is written
+        self.finished = False  # the whole reply is written (or cut short: ``aborted``)
+        self.aborted = False
+        self.status = 0  # once started
 
     @property
     def disconnected(self) -> bool:
@@ -190,6 +192,7 @@ class Reply:
         if self.started:
             raise RuntimeError("reply already started")
         self.started = self.finished = True
+        self.status = status
         head = self._head_bytes(status, content_type, headers) + b"content-length: %d\r\n\r\n" % len(body)
         if len(body) <= 65536:
             self._conn.write(head + body)
@@ -202,7 +205,7 @@ class Reply:
         """Begin a streamed reply (chunked). The head goes out with the first chunk, in one write."""
         if self.started:
             raise RuntimeError("reply already started")
-        self.started = True
+        self.started, self.status = True, status
         self._head = self._head_bytes(status, content_type, headers)
         self._head += b"transfer-encoding: chunked\r\n\r\n" if self._chunked else b"\r\n"
 
@@ -238,7 +241,7 @@ class Reply:
 
     def abort(self) -> None:
         """Cut the reply short: the connection closes (the client sees a truncated body)."""
-        self.finished = True
+        self.finished = self.aborted = True
         self._conn.abort()
 
 
@@ -404,6 +407,7 @@ class _ServerConnection(asyncio.Protocol):
 
     def _dispatch(self, item: Request | _Reject) -> None:
         if isinstance(item, _Reject):
+            self.server.refused[item.status] = self.server.refused.get(item.status, 0) + 1
             self.write(_STATUS_LINES.get(item.status, _status_line(item.status))
                        + b"content-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n"
                        % len(item.body) + item.body)
@@ -538,6 +542,7 @@ class Server:
         self.read_timeout = read_timeout
         self.connections: set[_ServerConnection] = set()
         self.accepted = 0  # connections accepted so far
+        self.refused: dict[int, int] = {}  # requests refused while they arrived (413, 431, 400), by status
         self._server: asyncio.Server | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # set by start()
 
@@ -827,6 +832,13 @@ class ClientResponse:
                 raise TooLarge(f"response body from {self.pool.url} larger than {limit} bytes")
             parts.append(data)
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def fail(self, error: HTTPError) -> None:
+        """Abandon this response for ``error``: its connection closes (the upstream request is aborted) and its
+        reader raises ``error`` (after what was already buffered)."""
+        if not self._released and not self._done:
+            self._on_fail(error)
+            self._conn.close()
 
     @property
     def complete(self) -> bool:

@@ -7,13 +7,39 @@ imports nothing from vLLM so the scheduler logic can be unit-tested on its own.
 from __future__ import annotations
 
 import enum
+import math
+import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from kvtransport.coalesce import BlockRun
 
 MAX_PARAM_CHARS = 512
-"""Longest transfer id, engine id or address taken from a request's ``kv_transfer_params`` (longer: ignored)."""
+"""Longest transfer id, request id or engine id in a request's ``kv_transfer_params`` (longer: the request is
+refused). The side channel carries ids of up to ``protocol.MAX_ID_CHARS`` (512) characters; ours are 32 hex
+digits, vLLM's request ids and engine ids (NixlConnector's keys) well under 100."""
+MAX_HOST_CHARS = 253
+"""Longest ``remote_host`` (a DNS name has at most 253 characters; an IPv6 literal with a zone id fewer)."""
+MAX_FANOUT = 256
+"""Most decode requests one prefill request may serve (``kvt_fanout``, the client's ``n``; more: refused). One
+transfer then holds that many destinations, each with its blocks, on the prefill."""
+MAX_PARAM_KEYS = 64
+"""Most keys in a request's ``kv_transfer_params``: NixlConnector's shape has 10, Mooncake's 5, ours 14 at most."""
+MAX_PARAM_KEY_CHARS = 128
+"""Longest key (every key anyone uses is under 40 characters)."""
+MAX_PARAM_VALUES = 1 << 18
+"""Most values in a request's ``kv_transfer_params``, counted through every list and object, keys we do not
+read included. The largest legitimate one is NixlConnector's ``remote_block_ids`` as a prefill answers it, one
+id per block: 65,536 for a 1M-token prompt in 16-token blocks; four times that. Bounds the check's own work
+(one pass, stopped at the bound)."""
+MAX_PARAM_TEXT = 1 << 20
+"""Most characters of text (keys and strings, every level) in a request's ``kv_transfer_params``: the ids we read
+are bounded by MAX_PARAM_CHARS; 1 MiB leaves room for whatever a router adds."""
+MAX_PARAM_DEPTH = 32
+"""Deepest nesting of lists and objects (no known key nests more than 2 levels; ``str()`` of a value nested
+thousands deep raises RecursionError)."""
+_HOST_CHARS = re.compile(r"[A-Za-z0-9._:%\[\]-]+")
+"""What a host name, an IPv4 address or a bracketed/zoned IPv6 literal is made of."""
 NULL_BLOCK = 0
 """vLLM's null block: a sliding window's blocks that left the window point at it (never moved)."""
 
@@ -31,6 +57,9 @@ class FailureKind(enum.Enum):
     """The decode could not reach the prefill's side channel while the request waited for its admission."""
     ADMISSION_TIMEOUT = "admission_timeout"
     """The prefill did not start the transfer within ``transfer_timeout`` (push flow with ``admit_below``)."""
+    INVALID_PARAMS = "invalid_params"
+    """The request's ``kv_transfer_params`` were refused (:func:`parse_transfer_params`): it is admitted only to
+    take vLLM's failure path, no KV comes."""
 
 
 @dataclass(frozen=True)
@@ -161,41 +190,230 @@ class SendFailure:
     reason: str
 
 
-def _short(value: Any) -> str | None:
-    """``value`` as a non-empty id of at most MAX_PARAM_CHARS characters (a str or an int), else None."""
-    if isinstance(value, bool) or not isinstance(value, str | int):
+class TransferParamsError(ValueError):
+    """A request's ``kv_transfer_params`` refused; the message names the field and why, never its value."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(f"kv_transfer_params refused: {why}")
+
+
+@dataclass(frozen=True)
+class TransferParams:
+    """A request's ``kv_transfer_params`` as the connector reads them, checked (:func:`parse_transfer_params`)."""
+
+    role: Literal["prefill", "decode"] | None = None
+    """``"prefill"`` (``do_remote_decode``: its KV goes to a remote decode), ``"decode"`` (``do_remote_prefill``:
+    its KV comes from a remote prefill), or None (not a P/D request: the connector leaves it alone)."""
+    xfer: str | None = None
+    """The push flow's transfer id: ``kvt_xfer`` (``kvtransport-proxy``) or Mooncake's ``transfer_id``; None:
+    the pull flow (NixlConnector's keys)."""
+    remote_request_id: str | None = None
+    """The pull flow's transfer: the prefill request it pulls (NixlConnector's ``remote_request_id``)."""
+    side_channel: tuple[str, int] | None = None
+    """(decode) The prefill's side channel: ``remote_host``/``remote_port``, or Mooncake's ``remote_engine_id``
+    as our bootstrap endpoint publishes it (``<engine id>@<host>:<port>``). None: no remote prefill to ask."""
+    fanout: int = 1
+    """(prefill) Decode requests the transfer serves (``kvt_fanout``), 1..MAX_FANOUT."""
+    first_token: bool = False
+    """``kvt_first_token``: the first-token flow (push only)."""
+    discover: bool = False
+    """``kvt_discover``: a proxy's discovery request (prefill; no KV moves)."""
+    debug_delay: bool = False
+    """``kvt_debug_delay`` (test-only, with the ``debug_push_delay`` setting)."""
+    debug_late: bool = False
+    """``kvt_debug_late`` (test-only, with ``debug_dst_delay``)."""
+    debug_hold: bool = False
+    """``kvt_debug_hold`` (test-only, with ``debug_hold``)."""
+
+    @property
+    def transfer(self) -> str | None:
+        """The transfer a decode request's KV comes with: the push flow's id, or the pulled prefill request."""
+        return self.xfer or self.remote_request_id
+
+
+NO_PARAMS = TransferParams()
+"""What a request without ``kv_transfer_params`` (or with none the connector reads) is."""
+
+
+def parse_transfer_params(params: object) -> TransferParams:
+    """The one place a request's ``kv_transfer_params`` (any API client sets them) are read: the checked,
+    typed fields the connector uses, or TransferParamsError naming the first bad field. Never raises anything
+    else, whatever ``params`` holds; its work is bounded (MAX_PARAM_VALUES).
+
+    Rules: the whole is a JSON object within MAX_PARAM_KEYS keys, MAX_PARAM_VALUES values, MAX_PARAM_TEXT
+    characters and MAX_PARAM_DEPTH levels; keys the connector does not read are otherwise ignored. A key set to
+    null is absent (the toy proxy sends NixlConnector's keys as nulls), so is an empty id or host. Flags
+    (``do_remote_decode``, ``do_remote_prefill``, ``kvt_first_token``, ``kvt_discover``, ``kvt_debug_*``)
+    are booleans, not numbers; not both roles. Ids (``kvt_xfer``, ``transfer_id``, ``remote_request_id``,
+    ``remote_engine_id``): printable strings of at most MAX_PARAM_CHARS characters, or integers in
+    0..2**63-1 (Mooncake's ``transfer_id``). ``remote_host``: a host name or address (MAX_HOST_CHARS);
+    ``remote_port``: an integer (or a string of digits) in 1..65535; on a decode request they come together,
+    or else a ``remote_engine_id`` with an ``@`` names them (``<engine id>@<host>:<port>``). ``kvt_fanout``:
+    an integer in 1..MAX_FANOUT."""
+    if params is None:
+        return NO_PARAMS
+    if not isinstance(params, dict):
+        raise TransferParamsError(f"kv_transfer_params must be a JSON object, got {_kind(params)}")
+    if not params:
+        return NO_PARAMS
+    _check_size(params)
+    to_decode, to_prefill = _flag(params, "do_remote_decode"), _flag(params, "do_remote_prefill")
+    if to_decode and to_prefill:
+        raise TransferParamsError("do_remote_decode and do_remote_prefill are both true (one request plays one role)")
+    role: Literal["prefill", "decode"] | None = "prefill" if to_decode else "decode" if to_prefill else None
+    flags = {name: _flag(params, f"kvt_{name}")
+             for name in ("first_token", "discover", "debug_delay", "debug_late", "debug_hold")}
+    ours, mooncakes = _ident(params, "kvt_xfer"), _ident(params, "transfer_id")
+    remote_request_id = _ident(params, "remote_request_id")
+    engine = _ident(params, "remote_engine_id")
+    side = _side_channel(params, engine)  # checked on every request; a decode's only is used
+    if role != "decode":
+        side = None
+    elif side is not None and not (ours or mooncakes or remote_request_id):
+        raise TransferParamsError("a decode request that names a prefill needs the transfer it takes part in "
+                                  "(kvt_xfer, transfer_id or remote_request_id)")
+    fanout = params.get("kvt_fanout")
+    if fanout is None:
+        fanout = 1
+    elif isinstance(fanout, bool) or not isinstance(fanout, int) or not 1 <= fanout <= MAX_FANOUT:
+        raise TransferParamsError(f"kvt_fanout must be an integer in 1..{MAX_FANOUT}, got {_kind(fanout)}")
+    return TransferParams(role=role, xfer=ours or mooncakes, remote_request_id=remote_request_id, side_channel=side,
+                          fanout=fanout, **flags)
+
+
+def _kind(value: object) -> str:
+    """What ``value`` is, in a few words, never its contents (bounded, and safe for any value: ``str()`` of a
+    huge integer or of a deeply nested list raises)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return f"the integer {value}" if value.bit_length() <= 64 else f"an integer of {value.bit_length()} bits"
+    if isinstance(value, float):
+        return f"the number {value!r}" if math.isfinite(value) else f"the number {value!r} (not finite)"
+    if isinstance(value, str):
+        return f"a string of {len(value)} characters"
+    if isinstance(value, list | tuple):
+        return f"a list of {len(value)} items"
+    if isinstance(value, dict):
+        return f"an object of {len(value)} keys"
+    return f"a {type(value).__name__[:40]}"
+
+
+def _check_size(params: dict[Any, Any]) -> None:
+    """Bound the whole of ``params`` (see MAX_PARAM_KEYS and the limits after it), in one pass that stops at
+    the first bound exceeded (a cycle, possible only from Python callers, ends at MAX_PARAM_VALUES)."""
+    if len(params) > MAX_PARAM_KEYS:
+        raise TransferParamsError(f"{len(params)} keys, at most {MAX_PARAM_KEYS}")
+    values, text = 0, 0
+    stack: list[tuple[Any, int]] = [(params, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if depth >= MAX_PARAM_DEPTH:
+            raise TransferParamsError(f"kv_transfer_params nested deeper than {MAX_PARAM_DEPTH} levels")
+        items: Any
+        if isinstance(value, dict):
+            for key in value:
+                if not isinstance(key, str):
+                    raise TransferParamsError(f"keys must be strings, got {_kind(key)}")
+                if len(key) > MAX_PARAM_KEY_CHARS:
+                    raise TransferParamsError(f"a key of {len(key)} characters, at most {MAX_PARAM_KEY_CHARS}")
+                text += len(key)
+            items = value.values()
+        else:
+            items = value
+        values += len(value)
+        if values > MAX_PARAM_VALUES:
+            raise TransferParamsError(f"kv_transfer_params hold more than {MAX_PARAM_VALUES} values")
+        for item in items:
+            if isinstance(item, str):
+                text += len(item)
+            elif isinstance(item, list | tuple | dict):
+                stack.append((item, depth + 1))
+        if text > MAX_PARAM_TEXT:
+            raise TransferParamsError(f"kv_transfer_params hold more than {MAX_PARAM_TEXT} characters of text")
+
+
+def _given(value: object) -> bool:
+    """Whether a key is set: null and an empty string mean absent."""
+    return value is not None and not (isinstance(value, str) and not value)
+
+
+def _flag(params: dict[str, Any], key: str) -> bool:
+    value = params.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise TransferParamsError(f"{key} must be true or false, got {_kind(value)}")
+    return value
+
+
+def _ident(params: dict[str, Any], key: str) -> str | None:
+    value = params.get(key)
+    if not _given(value):
         return None
-    text = str(value)
-    return text if 0 < len(text) <= MAX_PARAM_CHARS else None
+    if isinstance(value, str) and len(value) <= MAX_PARAM_CHARS and value.isprintable():
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 63:
+        return str(value)
+    raise TransferParamsError(f"{key} must be a printable string of at most {MAX_PARAM_CHARS} characters or an "
+                              f"integer in 0..2**63-1, got {_kind(value)}")
+
+
+def _host(value: object, what: str) -> str:
+    if isinstance(value, str) and 0 < len(value) <= MAX_HOST_CHARS and _HOST_CHARS.fullmatch(value):
+        return value
+    raise TransferParamsError(f"{what} must be a host name or address of 1..{MAX_HOST_CHARS} characters "
+                              f"(letters, digits, '.-_:%[]'), got {_kind(value)}")
+
+
+def _port(value: object, what: str) -> int:
+    number = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str) and 0 < len(value) <= 5 and value.isascii() and value.isdigit():
+        number = int(value)
+    if number is None or not 0 < number < 65536:
+        raise TransferParamsError(f"{what} must be a port number in 1..65535, got {_kind(value)}")
+    return number
+
+
+def _side_channel(params: dict[str, Any], engine: str | None) -> tuple[str, int] | None:
+    """The prefill side channel ``params`` name: ``remote_host`` and ``remote_port`` together, or else an engine
+    id as our bootstrap endpoint publishes it (``<engine id>@<host>:<port>``); None when they name none."""
+    host, port = params.get("remote_host"), params.get("remote_port")
+    host = _host(host, "remote_host") if _given(host) else None
+    port = _port(port, "remote_port") if _given(port) else None
+    if host is not None and port is not None:
+        return host, port
+    if host is not None:
+        raise TransferParamsError("remote_host without remote_port (they name the prefill's side channel together)")
+    if port is not None:
+        raise TransferParamsError("remote_port without remote_host (they name the prefill's side channel together)")
+    if engine is None or "@" not in engine:
+        return None
+    host, sep, port = engine.rpartition("@")[2].rpartition(":")
+    if not sep:
+        raise TransferParamsError("remote_engine_id names a side channel without a port (<engine id>@<host>:<port>)")
+    return _host(host, "remote_engine_id's host"), _port(port, "remote_engine_id's port")
 
 
 def push_transfer_id(params: dict[str, Any] | None) -> str | None:
-    """The push flow's transfer id of a request's ``kv_transfer_params``: ours (``kvt_xfer``, from
-    ``kvtransport-proxy``) or Mooncake's (``transfer_id``, as vllm-router and llm-d's sidecar send it); None for
-    the pull flow (NixlConnector's keys) or a malformed id."""
-    if not params:
+    """The push flow's transfer id of a request's ``kv_transfer_params`` (:attr:`TransferParams.xfer`); None
+    for the pull flow or malformed params."""
+    try:
+        return parse_transfer_params(params).xfer
+    except TransferParamsError:
         return None
-    return _short(params.get("kvt_xfer")) or _short(params.get("transfer_id"))
 
 
 def side_channel_of(params: dict[str, Any]) -> tuple[str, int] | None:
-    """The prefill side channel a decode request's ``kv_transfer_params`` name: ``remote_host`` /
-    ``remote_port`` (ours and NixlConnector's keys), or the Mooncake shape's ``remote_engine_id`` as our bootstrap
-    endpoint publishes it (``<engine id>@<host>:<port>``). None when absent or malformed (a port outside
-    1..65535, a host of more than 253 characters)."""
-    host, port = params.get("remote_host"), params.get("remote_port")
-    if host is None and port is None:
-        engine = _short(params.get("remote_engine_id"))
-        if engine is None or "@" not in engine:
-            return None
-        host, _, port = engine.rpartition("@")[2].rpartition(":")
-    if not isinstance(host, str) or not 0 < len(host) <= 253:
-        return None
-    if isinstance(port, bool) or not isinstance(port, int | str):
+    """The prefill side channel a decode request's ``kv_transfer_params`` name
+    (:attr:`TransferParams.side_channel`, read as for a decode request); None when absent or malformed."""
+    if not isinstance(params, dict):
         return None
     try:
-        number = int(port)
-    except ValueError:
+        return _side_channel(params, _ident(params, "remote_engine_id"))
+    except TransferParamsError:
         return None
-    return (host, number) if 0 < number < 65536 else None
-

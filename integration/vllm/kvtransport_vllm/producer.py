@@ -1,10 +1,10 @@
 """Prefill role of the scheduler side (``kv_producer``/``kv_both``): the transfers this engine serves.
 
 It learns destination blocks from decode schedulers (side-channel ``dst`` messages, possibly before the prefill
-request arrives: orphans), plans per step which blocks the workers put (layer-wise while the prompt is computed,
-or whole right after the forward) and when a finished request's blocks may be freed (leases, renewals, a
-decode's disconnect). The common part (:mod:`.scheduler`) owns the side channel, the peers' hellos and
-geometry, and calls in here from vLLM's hooks; everything runs on the scheduler thread except
+request arrives: orphans, held within budgets, see MAX_ORPHANS), plans per step which blocks the workers put
+(layer-wise while the prompt is computed, or whole right after the forward) and when a finished request's blocks
+may be freed (leases, renewals, a decode's disconnect). The common part (:mod:`.scheduler`) owns the side channel,
+the peers' hellos and geometry, and calls in here from vLLM's hooks; everything runs on the scheduler thread except
 :meth:`Producer.answer_now` (the side channel's reader threads).
 """
 
@@ -13,11 +13,15 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvtransport.admission import RateLimitedLog
+
 from . import trace
-from .metadata import Bind, SourceStep, StepPlan, push_transfer_id
+from .metadata import MAX_FANOUT, Bind, SourceStep, StepPlan
+from .pushplan import MAX_ORPHAN_BLOCKS, MAX_ORPHAN_BLOCKS_PER_ENGINE, MAX_PENDING, ORPHAN_ENTRY_COST
 
 if TYPE_CHECKING:
     from .scheduler import SchedulerSide
@@ -26,13 +30,39 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.kvtransport")
 
 FINISHED_OK = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
-MAX_ORPHANS = 4096
-"""Destinations held for prefill requests that have not arrived yet (all decode engines together)."""
-MAX_ORPHANS_PER_ENGINE = 1024
-MAX_FANOUT = 256
-"""Decode requests one prefill request may serve (``kvt_fanout``, the client's ``n``); another value counts as 1."""
-"""Of those, what one decode engine may hold (one engine cannot take every place)."""
+# Orphans: destinations (and cancel counts) a decode sends for a prefill request that has not arrived yet. They are
+# held for a lease within the worker planner's budgets (pushplan: the same decode sends the same destinations to the
+# workers, which hold them alike), imported from there: per decode engine a count (MAX_ORPHANS_PER_ENGINE), a count
+# per transfer (MAX_ORPHANS_PER_XFER) and block ids (MAX_ORPHAN_BLOCKS_PER_ENGINE, each entry ORPHAN_ENTRY_COST more),
+# and in all MAX_ORPHAN_BLOCKS, shared max-min fairly: when it is full, the engine holding the most gives up its oldest
+# entries for a newcomer, but only while it still holds more than the newcomer's engine then will. Before (issue 29)
+# destinations were appended to an orphan without a cap (+330 MiB held for 80 MiB sent), and four made-up engine ids
+# filled a count of 4,096, after which a real decode's early destination was refused.
+#
+# A destination refused or given up for a budget is *refused back to its decode* ("fail", as any refusal here): the
+# decode sends a destination once and never again, so that decode request takes vLLM's failure path
+# (kv_load_failure_policy: recomputed or failed), nothing else does. The workers are told to drop their early copy of
+# it (a cancel in the next plan, see _take_orphan_cancels) so that nothing is put into blocks the decode gave up. A
+# cancel count given up for a budget only delays: its prefill request waits for that destination until its lease.
+MAX_ORPHANS_PER_ENGINE = MAX_PENDING
+"""Entries (early destinations, plus one per transfer it sent a cancel count for) one decode engine may hold: the
+worker's MAX_PENDING (4,096), a decode's early destinations for the prompts queued at this prefill."""
+MAX_ORPHANS_PER_XFER = MAX_FANOUT
+"""Early destinations one decode engine may hold for one transfer: the most decode requests a transfer serves
+(kvt_fanout, MAX_FANOUT = 256). Not the worker's MAX_PENDING_PER_XFER (64): a worker drops an early destination at no
+cost (the scheduler's plan brings it again), a refusal here fails a decode request. Per engine, so that engines
+parking destinations on another's transfer id do not crowd that engine's own out."""
+MAX_ORPHANS = MAX_ORPHAN_BLOCKS // ORPHAN_ENTRY_COST
+"""Entries all decode engines' orphans can hold together (131,072): implied by MAX_ORPHAN_BLOCKS (each entry costs at
+least ORPHAN_ENTRY_COST), not checked on its own. Was a count of 4,096 (1,024 per engine) that four made-up engine
+ids filled (issue 29)."""
 _CHILD = re.compile(r"^\d+_")
+
+
+def _orphan_cost(d: _Dst) -> int:
+    """What early destination ``d`` costs: pushplan.orphan_cost (block ids of every KV cache group plus
+    ORPHAN_ENTRY_COST), without building a Bind (it copies the block ids)."""
+    return ORPHAN_ENTRY_COST + len(d.blocks) + sum(len(g) for g in d.extra)
 
 
 def sampling_family(req_id: str) -> str | None:
@@ -104,6 +134,19 @@ class _Source:
         return done >= self.fanout and all(d.settled for d in self.dsts)
 
 
+@dataclass
+class _Share:
+    """One decode engine's orphans, oldest first, and what they cost (see MAX_ORPHANS)."""
+
+    held: OrderedDict[tuple[str, str | None], int] = field(default_factory=OrderedDict)
+    """(xfer, seq) -> cost; seq None: the cancel count this engine sent for xfer (``cancels``)"""
+    cost: int = 0
+    per_xfer: dict[str, int] = field(default_factory=dict)
+    """xfer -> early destinations held for it"""
+    cancels: dict[str, int] = field(default_factory=dict)
+    """xfer -> destinations this engine said will not come"""
+
+
 def _groups(block_ids: Any) -> list[list[int]]:
     """A finished request's blocks per KV cache group: vLLM hands one list (one group) or, to an HMA
     connector, one list per group."""
@@ -123,6 +166,13 @@ class Producer:
         self.sources: dict[str, _Source] = {}
         self.src_by_req: dict[str, _Source] = {}
         self.orphans: dict[str, tuple[float, list[_Dst], int]] = {}  # xfer -> (lease end, dsts, cancels)
+        self.orphan_total = 0  # what every engine's orphans cost together (block ids, see MAX_ORPHANS)
+        self._shares: dict[str, _Share] = {}  # decode engine -> its orphans
+        self._orphan_engines: dict[str, set[str]] = {}  # xfer -> engines holding an orphan entry of it
+        self._orphan_cancels: list[tuple[str, str, str]] = []  # (xfer, seq, engine): orphans the workers drop
+        self.orphans_refused = 0  # orphan destinations refused for a budget (log and tests)
+        self.orphans_evicted = 0  # orphan entries given up for a newcomer (log and tests)
+        self._logs = RateLimitedLog(log)  # a flooding decode must not flood the log
         self.gone: dict[str, str] = {}  # xfer -> why it can no longer be served (bounded)
         # pull flow with n>1 (vLLM's toy proxy forwards the same n to both sides): the prefill computes n
         # children, only one child's params reach the decode, and each of the decode's n children pulls that
@@ -154,8 +204,7 @@ class Producer:
         """Keep the blocks (True) until the workers pushed them; returns NIXL-compatible ``kv_transfer_params``
         for the decode side."""
         rid = request.request_id
-        params = request.kv_transfer_params
-        if params.get("kvt_discover"):
+        if self.side.params(request).discover:
             self._drop_source(rid)
             return False, self.side.discovery_params()
         src = self.src_by_req.get(rid)
@@ -208,7 +257,7 @@ class Producer:
 
     def has_pending_work(self) -> bool:
         """True while destinations wait for their prefill request, or releases or cancels are queued."""
-        return bool(self.orphans or self._releases or self._cancels or self._dropped)
+        return bool(self.orphans or self._releases or self._cancels or self._dropped or self._orphan_cancels)
 
     # ------------------------------------------------------------------ per step
     def plan_step(self, scheduler_output: Any, plan: StepPlan, now: float) -> None:
@@ -217,7 +266,7 @@ class Producer:
         a release that follows it."""
         self._plan_scheduled(scheduler_output, plan)
         self._plan_completed(plan, now)
-        plan.cancels, self._cancels = self._cancels, []
+        plan.cancels, self._cancels = self._cancels + self._take_orphan_cancels(), []
         plan.dropped, self._dropped = self._dropped, []
         plan.send_release, self._releases = self._releases, []
 
@@ -232,8 +281,9 @@ class Producer:
         """After the inbox was drained: fail destinations waiting for a prefill request that never came; forget
         expired holds."""
         for xfer in [x for x, (dl, _, _) in self.orphans.items() if dl <= now]:
-            _, dsts, _ = self.orphans.pop(xfer)
+            _, dsts, _ = self._pop_orphan(xfer)
             for d in dsts:
+                self._orphan_cancels.append((xfer, d.seq, d.engine))
                 self.send_fail(d.engine, [d.seq], f"no prefill request for transfer {xfer} arrived within "
                                                    f"{self.settings.lease:g}s")
         for xfer in [x for x, (dl, _) in self.holds.items() if dl <= now]:
@@ -245,16 +295,12 @@ class Producer:
         src = self.src_by_req.get(rid)
         if src is not None:
             return src
-        params = request.kv_transfer_params or {}
-        pushed = push_transfer_id(params)
-        push = pushed is not None
-        xfer = pushed if pushed is not None else rid
-        raw = params.get("kvt_fanout", 1)
-        fanout = raw if isinstance(raw, int) and not isinstance(raw, bool) and 1 <= raw <= MAX_FANOUT else 1
-        src = _Source(rid, xfer, "push" if push else "pull", fanout, int(request.num_prompt_tokens),
-                      debug_delay=bool(params.get("kvt_debug_delay")) and self.settings.debug_push_delay > 0,
-                      discover=bool(params.get("kvt_discover")),
-                      first_token=push and params.get("kvt_first_token") is True)
+        params = self.side.params(request)  # checked (the scheduler side refused a request with bad ones)
+        push = params.xfer is not None
+        xfer = params.xfer if params.xfer is not None else rid
+        src = _Source(rid, xfer, "push" if push else "pull", params.fanout, int(request.num_prompt_tokens),
+                      debug_delay=params.debug_delay and self.settings.debug_push_delay > 0,
+                      discover=params.discover, first_token=push and params.first_token)
         trace.event("p.new", xfer, req=rid)
         self.src_by_req[rid] = src
         first = self.sources.get(xfer) if push else None
@@ -269,12 +315,12 @@ class Producer:
         fam = self._family(src)
         if fam is not None:
             self.family_size[fam] = self.family_size.get(fam, 0) + 1
-        if not params.get("kvt_discover"):
+        if not params.discover:
             self.sources[xfer] = src
             hold = self.holds.pop(xfer, None)
             if hold is not None:
                 src.holders |= hold[1]
-            orphan = self.orphans.pop(xfer, None)
+            orphan = self._pop_orphan(xfer) if xfer in self.orphans else None
             if orphan is not None:
                 _, dsts, cancels = orphan
                 src.dsts.extend(dsts)
@@ -377,15 +423,13 @@ class Producer:
                 return
             self._renewed(engine, [xfer], now)
             if src is None:
-                if msg.get("mode") == "push" and xfer not in self.gone and (
-                        xfer in self.orphans or (len(self.orphans) < MAX_ORPHANS
-                                                 and self._orphans_of(engine) < MAX_ORPHANS_PER_ENGINE)):
-                    dl, old, cancels = self.orphans.get(xfer, (now + self.settings.lease, [], 0))
-                    self.orphans[xfer] = (dl, old + dsts, cancels)
-                elif msg.get("mode") == "push" and xfer not in self.gone:
+                if msg.get("mode") == "push" and xfer not in self.gone:
                     for d in dsts:
-                        self.send_fail(engine, [d.seq], "prefill holds too many destinations whose prefill request "
-                                                         "has not arrived: refused")
+                        why = self._hold(engine, xfer, d, now)
+                        if why is not None:
+                            self.orphans_refused += 1
+                            self._orphan_cancels.append((xfer, d.seq, engine))
+                            self.send_fail(engine, [d.seq], why, quiet="orphan refused")
                 else:
                     why = self.gone.get(xfer, "unknown transfer (expired, or sent to the wrong prefill instance)")
                     for d in dsts:
@@ -414,11 +458,11 @@ class Producer:
                             engine, xfer, sorted(holders)[:4])
                 count = 0
             if src is None:
-                if xfer in self.orphans:
-                    dl, old, cancels = self.orphans[xfer]
-                    self.orphans[xfer] = (dl, [d for d in old if d.seq not in seqs], cancels + count)
-                elif msg.get("mode") == "push" and count and xfer not in self.gone:
-                    self.orphans[xfer] = (now + self.settings.lease, [], count)
+                for d in [d for d in self.orphans.get(xfer, (0.0, [], 0))[1] if d.seq in seqs]:
+                    self._unhold(d.engine, xfer, d.seq)
+                    self._orphan_cancels.append((xfer, d.seq, d.engine))  # its workers may hold it too
+                if count and (xfer in self.orphans or (msg.get("mode") == "push" and xfer not in self.gone)):
+                    self._hold_cancels(engine, xfer, count, now)
                 return
             for d in src.dsts:
                 if d.seq in seqs:
@@ -428,9 +472,171 @@ class Producer:
         else:
             log.warning("kvtransport side channel: ignoring message type %r from %s", mtype, engine)
 
-    def _orphans_of(self, engine: str) -> int:
-        """Transfers waiting for their prefill request that hold a destination of decode ``engine``."""
-        return sum(1 for _, dsts, _ in self.orphans.values() if any(d.engine == engine for d in dsts))
+    # ------------------------------------------------------------------ orphans (see MAX_ORPHANS)
+    def _admit(self, engine: str, key: tuple[str, str | None], cost: int) -> str | None:
+        """Make room for orphan entry ``key`` of ``engine`` costing ``cost`` and account for it; None, or why it
+        is refused (then nothing changed). O(1), plus O(engines + entries given up) when the total is full."""
+        share = self._shares.get(engine) or _Share()
+        if len(share.held) >= MAX_ORPHANS_PER_ENGINE:
+            return (f"refused: decode engine {engine} holds {MAX_ORPHANS_PER_ENGINE} destinations whose prefill "
+                    "request has not arrived (MAX_ORPHANS_PER_ENGINE)")
+        if key[1] is not None and share.per_xfer.get(key[0], 0) >= MAX_ORPHANS_PER_XFER:
+            return (f"refused: decode engine {engine} holds {MAX_ORPHANS_PER_XFER} destinations for transfer {key[0]}, "
+                    "whose prefill request has not arrived (MAX_ORPHANS_PER_XFER)")
+        if share.cost + cost > MAX_ORPHAN_BLOCKS_PER_ENGINE:
+            return (f"refused: decode engine {engine} holds too many block ids in destinations whose prefill request "
+                    "has not arrived (MAX_ORPHAN_BLOCKS_PER_ENGINE)")
+        if not self._make_room(engine, share.cost + cost, cost):
+            return (f"refused: destinations whose prefill request has not arrived fill MAX_ORPHAN_BLOCKS, and decode "
+                    f"engine {engine} holds its share")
+        self._shares[engine] = share
+        share.held[key] = cost
+        share.cost += cost
+        self.orphan_total += cost
+        self._orphan_engines.setdefault(key[0], set()).add(engine)
+        return None
+
+    def _hold(self, engine: str, xfer: str, d: _Dst, now: float) -> str | None:
+        """Hold early destination ``d`` of ``engine`` for ``xfer`` within the budgets; None (held, or the same
+        destination is held already) or why it is refused."""
+        share = self._shares.get(engine)
+        if share is not None and (xfer, d.seq) in share.held:
+            return None  # a repeat: the first one stays (a decode sends each destination once)
+        why = self._admit(engine, (xfer, d.seq), _orphan_cost(d))
+        if why is not None:
+            return why
+        share = self._shares[engine]
+        share.per_xfer[xfer] = share.per_xfer.get(xfer, 0) + 1
+        self.orphans.setdefault(xfer, (now + self.settings.lease, [], 0))[1].append(d)
+        return None
+
+    def _hold_cancels(self, engine: str, xfer: str, count: int, now: float, *, force: bool = False) -> None:
+        """``count`` more destinations of ``xfer`` that ``engine`` says will not come (one entry per engine and
+        transfer: ORPHAN_ENTRY_COST). ``force``: it replaces a costlier entry of the same engine (no budget check).
+        Refused for a budget: dropped (the prefill request then waits for them until its lease)."""
+        share = self._shares.get(engine)
+        if share is None or xfer not in share.cancels:
+            if force:
+                share = self._shares.setdefault(engine, _Share())
+                share.held[(xfer, None)] = ORPHAN_ENTRY_COST
+                share.cost += ORPHAN_ENTRY_COST
+                self.orphan_total += ORPHAN_ENTRY_COST
+                self._orphan_engines.setdefault(xfer, set()).add(engine)
+            else:
+                why = self._admit(engine, (xfer, None), ORPHAN_ENTRY_COST)
+                if why is not None:
+                    self.orphans_refused += 1
+                    self._logs.log(logging.WARNING, "orphan cancel refused", "kvtransport: cancel of %d destination(s) "
+                                   "of transfer %s from decode engine %s dropped: %s", count, xfer, engine, why)
+                    return
+                share = self._shares[engine]
+        share.cancels[xfer] = share.cancels.get(xfer, 0) + count
+        dl, dsts, cancels = self.orphans.get(xfer, (now + self.settings.lease, [], 0))
+        self.orphans[xfer] = (dl, dsts, cancels + count)
+
+    def _make_room(self, engine: str, after: int, cost: int) -> bool:
+        """Make room for ``cost`` more in all (MAX_ORPHAN_BLOCKS) for ``engine``, which will then hold ``after``:
+        the engine holding the most gives up its oldest entries while it holds more than ``after``, then the next.
+        False when that is not enough; then nothing is given up."""
+        need = self.orphan_total + cost - MAX_ORPHAN_BLOCKS
+        if need <= 0:
+            return True
+        victims: list[tuple[str, tuple[str, str | None]]] = []
+        over = sorted((e for e, s in self._shares.items() if e != engine and s.cost > after),
+                      key=lambda e: self._shares[e].cost, reverse=True)
+        for e in over:  # the order of "the one holding the most": each gives up until it holds no more than after
+            left = self._shares[e].cost
+            for key, c in self._shares[e].held.items():
+                if left <= after or need <= 0:
+                    break
+                victims.append((e, key))
+                left -= c
+                need -= c
+            if need <= 0:
+                break
+        if need > 0:
+            return False
+        for e, (xfer, seq) in victims:
+            self.orphans_evicted += 1
+            if seq is None:
+                n = self._shares[e].cancels.get(xfer, 0)
+                self._unhold(e, xfer, None)
+                self._logs.log(logging.WARNING, "orphan cancel evicted", "kvtransport: cancel of %d destination(s) of "
+                               "transfer %s from decode engine %s given up for decode engine %s (MAX_ORPHAN_BLOCKS)",
+                               n, xfer, e, engine)
+            else:
+                self._unhold(e, xfer, seq)
+                self._orphan_cancels.append((xfer, seq, e))
+                self.send_fail(e, [seq], f"refused: destinations whose prefill request has not arrived fill "
+                                         f"MAX_ORPHAN_BLOCKS; decode engine {e} holds the most and gave up its oldest",
+                               quiet="orphan evicted")
+        return True
+
+    def _release(self, engine: str, key: tuple[str, str | None]) -> int:
+        """Take orphan entry ``key`` of ``engine`` out of the budgets; returns its cancel count (seq None)."""
+        share = self._shares.get(engine)
+        cost = share.held.pop(key, None) if share is not None else None
+        if share is None or cost is None:
+            return 0
+        xfer, seq = key
+        share.cost -= cost
+        self.orphan_total -= cost
+        count = 0
+        if seq is None:
+            count = share.cancels.pop(xfer, 0)
+        else:
+            left = share.per_xfer.pop(xfer, 1) - 1
+            if left:
+                share.per_xfer[xfer] = left
+        if xfer not in share.per_xfer and xfer not in share.cancels:
+            engines = self._orphan_engines.get(xfer)
+            if engines is not None:
+                engines.discard(engine)
+                if not engines:
+                    del self._orphan_engines[xfer]
+        if not share.held:
+            del self._shares[engine]
+        return count
+
+    def _unhold(self, engine: str, xfer: str, seq: str | None) -> None:
+        """Forget orphan entry ``seq`` of ``engine`` for ``xfer`` (seq None: its cancel count); an orphan left
+        with nothing goes."""
+        count = self._release(engine, (xfer, seq))
+        entry = self.orphans.get(xfer)
+        if entry is None:
+            return
+        dl, dsts, cancels = entry
+        if seq is not None:
+            dsts = [d for d in dsts if not (d.seq == seq and d.engine == engine)]
+        if dsts or cancels - count > 0:
+            self.orphans[xfer] = (dl, dsts, cancels - count)
+        else:
+            del self.orphans[xfer]
+            self._orphan_engines.pop(xfer, None)
+
+    def _pop_orphan(self, xfer: str) -> tuple[float, list[_Dst], int]:
+        """Take ``xfer``'s orphan out (its prefill request arrived, or its lease ended) and out of the budgets."""
+        entry = self.orphans.pop(xfer)
+        for d in entry[1]:
+            self._release(d.engine, (xfer, d.seq))
+        for engine in list(self._orphan_engines.get(xfer, ())):
+            self._release(engine, (xfer, None))
+        self._orphan_engines.pop(xfer, None)
+        return entry
+
+    def _take_orphan_cancels(self) -> list[tuple[str, str]]:
+        """Orphans refused, given up, cancelled or expired here that the workers may hold too (the decode sends
+        its destinations straight to them as well, and they bind theirs when the prefill request is scheduled):
+        they drop them. A cancel names (xfer, seq) only, so one for a destination someone holds here now (another
+        engine's, sent since) is left out: an engine cannot cancel another's destination by being refused."""
+        out: list[tuple[str, str]] = []
+        for xfer, seq, _ in self._orphan_cancels:
+            src = self.sources.get(xfer)
+            known = (src.dsts if src is not None else []) + self.orphans.get(xfer, (0.0, [], 0))[1]
+            if not any(d.seq == seq and not d.cancelled for d in known) and (xfer, seq) not in out:
+                out.append((xfer, seq))
+        self._orphan_cancels = []
+        return out
 
     def _tell_first(self, src: _Source) -> None:
         """Send ``src``'s first token to every decode engine that holds or receives its transfer (not told yet)."""
@@ -535,9 +741,12 @@ class Producer:
 
     def _engine_gone(self, engine: str, reason: str) -> None:
         """A decode engine's side channel ended: give up what only it was waiting for (no lease wait)."""
-        for xfer, (dl, dsts, cancels) in list(self.orphans.items()):
-            keep = [d for d in dsts if d.engine != engine]
-            self.orphans[xfer] = (dl, keep, cancels + len(dsts) - len(keep))
+        share = self._shares.get(engine)
+        for xfer, seq in list(share.held) if share is not None else []:
+            if seq is not None:  # its early destinations will not come: counted as cancelled (one entry, cheaper)
+                self._hold_cancels(engine, xfer, 1, 0.0, force=True)
+                self._unhold(engine, xfer, seq)
+                self._orphan_cancels.append((xfer, seq, engine))
         for xfer, (_, engines) in list(self.holds.items()):
             engines.discard(engine)
             if not engines:
@@ -567,8 +776,17 @@ class Producer:
             self._cancels.append((src.xfer, d.seq))
         d.cancelled = True
 
-    def send_fail(self, engine: str, seqs: list[str], reason: str) -> None:
-        log.warning("kvtransport: transfer to %s %s failed: %s", engine, seqs, reason)
+    def send_fail(self, engine: str, seqs: list[str], reason: str, *, quiet: str | None = None) -> None:
+        """Tell decode ``engine`` that ``seqs`` will get no KV from here. ``quiet``: log it rate-limited under that
+        key (refusals a flooding decode causes)."""
+        if quiet is None:
+            log.warning("kvtransport: transfer to %s %s failed: %s", engine, seqs, reason)
+        else:
+            self._logs.log(logging.WARNING, quiet, "kvtransport: transfer to %s %s failed: %s", engine, seqs, reason)
         if self.server is None or not self.server.send(engine, {"type": "fail", "seqs": seqs, "reason": reason}):
-            log.warning("kvtransport: cannot tell decode engine %s (not connected)", engine)
+            if quiet is None:
+                log.warning("kvtransport: cannot tell decode engine %s (not connected)", engine)
+            else:
+                self._logs.log(logging.WARNING, quiet + " untold", "kvtransport: cannot tell decode engine %s (not "
+                               "connected)", engine)
 

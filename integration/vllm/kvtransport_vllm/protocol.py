@@ -3,20 +3,24 @@
 Handshake (both sides prove ``KV_TRANSPORT_SECRET`` when it is set, with the core's HMAC, ``kvtransport.wire``)::
 
     server -> client  {"type": "challenge", "version", "nonce": server nonce}          (nothing else)
-    client -> server  sealed hello  {"type": "hello", "body": JSON, "auth": HMAC(secret, server nonce, body)}
+    client -> server  sealed hello: SEALED, HMAC(secret, server nonce, body) (32 bytes), body (JSON)
                       body: engine id, compatibility hash, its workers' kvtransport metadata, a client nonce
     server -> client  sealed welcome (HMAC over the client nonce: the server proves it too), or
                       {"type": "refuse", "reason"}: a peer that did not prove the secret gets ``REFUSED`` and
                       nothing else; an authenticated incompatible one the *names* of the differing fields
 
-Before it proves the secret a peer may send one frame of at most ``MAX_HELLO`` bytes within the handshake
-timeout. A prefill's welcome names its workers' destination channels (``worker_at``); a decode opens one
+A sealed frame is bytes, not JSON: its HMAC is checked over the raw body before anything of it is parsed (a
+stranger's frame costs the bytes it sent and nothing more). Before it proves the secret a peer may send one
+frame of at most ``MAX_HELLO`` bytes within the handshake timeout; after, frames of at most ``MAX_MESSAGE``.
+Every JSON frame passes :func:`guard_json` before ``json.loads``: its containers and strings are counted on the
+raw bytes, so what a parse can allocate is bounded by the frame (see the limits below and docs/notes.md). A prefill's welcome names its workers' destination channels (``worker_at``); a decode opens one
 to each (the same handshake, without the compatibility check, which the scheduler's channel made) and sends its
 ``dst`` messages there too, so they reach the workers without the prefill's engine loop. Then the client sends
 ``dst`` / ``cancel`` / ``renew`` messages (checked by :func:`check_message`;
 a malformed one is dropped, the connection stays), the server sends ``fail``, ``ready``, ``first`` (the first
-token a prefill request sampled, which the decode continues from) and ``ping`` (ignored: it probes whether the
-connection is still alive).
+token a prefill request sampled, which the decode continues from) and ``ping`` with a token, which the client
+answers with a ``pong`` carrying it: an engine id belongs to the connection that answers (see
+``SideChannelServer``).
 Pure Python, no vLLM import.
 """
 
@@ -34,10 +38,24 @@ from typing import Any
 from kvtransport import wire
 from kvtransport.errors import KVTransportError
 
-PROTOCOL_VERSION = 3
-MAX_MESSAGE = 64 << 20
+PROTOCOL_VERSION = 4
+MAX_MESSAGE = 8 << 20
+"""Bytes of one message after the handshake. The largest the protocol needs is one ``dst`` of a request of the
+longest context: 1M tokens at block size 16 are 65,536 block ids of at most 13 digits (~0.9 MiB), or with
+MAX_GROUPS hybrid groups ~2 MiB; 8 MiB leaves room for parallel-sampling children. Was 64 MiB: one message of
+empty objects then cost the receiver ~1.7 GB to parse."""
 MAX_HELLO = 4 << 20
-"""Bytes an unauthenticated peer may send (its one hello frame, carrying its workers' metadata)."""
+"""Bytes an unauthenticated peer may send (its one hello frame, carrying up to 1,024 workers' metadata)."""
+MAX_CONTAINERS = 65536
+"""Objects and arrays (``{`` and ``[`` on the raw bytes, strings included) in one JSON frame. A ``dst`` needs
+three per destination (itself, its blocks, its groups) plus one per group: MAX_IDS destinations of a plain model
+are 12,288. Each costs the parser 56-64 bytes or more, so this bounds them to ~4 MiB per frame."""
+MAX_STRINGS = 131072
+"""Double quotes in one JSON frame (two per string; escaped ones counted too). A ``dst`` has ~10 per
+destination (keys and its ``seq``); a hello's JSON-in-JSON a few per worker. Each string costs the parser
+~50 bytes or more: ~3 MiB per frame."""
+SEALED = b"KVS1"
+"""First bytes of a sealed frame (then the 32-byte HMAC, zeros without a secret, then the JSON body)."""
 MAX_IDS = 4096
 """Destinations, sequence ids or transfer ids in one message."""
 MAX_BLOCKS = 1 << 20
@@ -65,6 +83,17 @@ class ConnectionClosed(ProtocolFailure):
     """The peer closed the connection (end of stream before a whole message)."""
 
 
+def guard_json(raw: bytes) -> None:
+    """Refuse a JSON frame whose parse could cost more than a bounded multiple of its size: more than
+    MAX_CONTAINERS objects and arrays or MAX_STRINGS/2 strings, counted on the raw bytes (a count, not a parse).
+    Numbers are bounded by the frame (a list of small integers costs 4x its text, of large ones up to 7x; only
+    an authenticated peer gets to send MAX_MESSAGE bytes). Raises MalformedMessage."""
+    if raw.count(b"{") + raw.count(b"[") > MAX_CONTAINERS:
+        raise MalformedMessage(f"more than {MAX_CONTAINERS} objects and arrays in one message")
+    if raw.count(b'"') > MAX_STRINGS:
+        raise MalformedMessage(f"more than {MAX_STRINGS // 2} strings in one message")
+
+
 def encode_message(msg: Mapping[str, Any]) -> bytes:
     """One message as it goes on the wire (length prefix and JSON). Raises ProtocolFailure when too large."""
     body = json.dumps(msg, separators=(",", ":")).encode()
@@ -78,23 +107,38 @@ def send_message(sock: socket.socket, msg: Mapping[str, Any]) -> None:
     sock.sendall(encode_message(msg))
 
 
+def send_frame(sock: socket.socket, payload: bytes) -> None:
+    """Send one frame of raw ``payload`` (a sealed message; blocking, the socket's timeout applies)."""
+    sock.sendall(_HEADER.pack(len(payload)) + payload)
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
+    """Exactly ``n`` bytes, read into one buffer (a frame costs its size once, not once per copy)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if not k:
             raise ConnectionClosed("connection closed by peer")
-        buf += chunk
-    return bytes(buf)
+        got += k
+    view.release()
+    return buf  # type: ignore[return-value]  # a bytearray: json.loads and bytes.count take it as it is
 
 
-def recv_message(sock: socket.socket, limit: int = MAX_MESSAGE) -> dict[str, Any]:
-    """Read one message of at most ``limit`` bytes (blocking; the socket's timeout applies). Raises
-    MalformedMessage (frame consumed: the stream is in sync), ProtocolFailure (oversized: not read) or OSError."""
+def recv_frame(sock: socket.socket, limit: int = MAX_MESSAGE) -> bytes:
+    """The payload of one frame of at most ``limit`` bytes, unparsed (blocking; the socket's timeout applies).
+    Raises ProtocolFailure (oversized: not read), ConnectionClosed or OSError."""
     (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
     if size > limit:
         raise ProtocolFailure(f"peer announced a {size}-byte message (limit {limit})")
-    return parse_message(_recv_exact(sock, size))
+    return _recv_exact(sock, size)
+
+
+def recv_message(sock: socket.socket, limit: int = MAX_MESSAGE) -> dict[str, Any]:
+    """Read one JSON message of at most ``limit`` bytes (blocking; the socket's timeout applies). Raises
+    MalformedMessage (frame consumed: the stream is in sync), ProtocolFailure (oversized: not read) or OSError."""
+    return parse_message(recv_frame(sock, limit))
 
 
 def check_senders(raw: Any) -> dict[int, str]:
@@ -141,8 +185,10 @@ def check_worker_at(raw: Any) -> dict[int, tuple[str, int]]:
     return dict(sorted(out.items())[:MAX_WORKER_LINKS])
 
 
-def parse_message(raw: bytes | str) -> dict[str, Any]:
-    """A JSON object with a string ``type``. Raises MalformedMessage."""
+def parse_message(raw: bytes) -> dict[str, Any]:
+    """A JSON object with a string ``type``, parsed only after :func:`guard_json` passed. Raises
+    MalformedMessage."""
+    guard_json(raw)
     try:
         msg = json.loads(raw)
     except ValueError as exc:
@@ -169,25 +215,31 @@ def parse_nonce(value: Any) -> bytes:
     return nonce
 
 
-def seal(msg: Mapping[str, Any], secret: bytes | None, nonce: bytes) -> dict[str, Any]:
-    """``msg`` wrapped with its HMAC over the peer's ``nonce`` (``auth`` None without a secret)."""
-    body = json.dumps(msg, separators=(",", ":"))
-    return {"type": msg["type"], "body": body,
-            "auth": wire.auth_tag(secret, nonce, body.encode()) if secret is not None else None}
+_NO_TAG = bytes(32)
 
 
-def unseal(frame: Mapping[str, Any], secret: bytes | None, nonce: bytes) -> dict[str, Any]:
-    """The message inside a sealed ``frame``. Raises AuthFailure when a secret is set and the HMAC over our
-    ``nonce`` is wrong or missing (checked before the body is parsed), MalformedMessage for a bad body."""
-    body = frame.get("body")
-    if not isinstance(body, str):
-        raise AuthFailure("unsealed frame") if secret is not None else MalformedMessage("frame without body")
-    if secret is not None and not wire.auth_ok(secret, nonce, body.encode(), frame.get("auth")):
+def seal(msg: Mapping[str, Any], secret: bytes | None, nonce: bytes) -> bytes:
+    """``msg`` as a sealed frame's payload: SEALED, its HMAC over the peer's ``nonce`` and the body (32 zero
+    bytes without a secret), the JSON body. Send it with :func:`send_frame`."""
+    body = json.dumps(msg, separators=(",", ":")).encode()
+    tag = bytes.fromhex(wire.auth_tag(secret, nonce, body)) if secret is not None else _NO_TAG
+    return SEALED + tag + body
+
+
+def is_sealed(payload: bytes) -> bool:
+    return payload[:len(SEALED)] == SEALED
+
+
+def unseal(payload: bytes, secret: bytes | None, nonce: bytes) -> dict[str, Any]:
+    """The message inside a sealed frame's ``payload``. Raises AuthFailure when a secret is set and the HMAC over
+    our ``nonce`` is wrong (checked on the raw bytes before any of them is parsed) or the frame is not sealed,
+    MalformedMessage for a bad body."""
+    if not is_sealed(payload) or len(payload) < len(SEALED) + 32:
+        raise AuthFailure("unsealed frame") if secret is not None else MalformedMessage("unsealed frame")
+    tag, body = payload[len(SEALED):len(SEALED) + 32], payload[len(SEALED) + 32:]
+    if secret is not None and not wire.auth_ok(secret, nonce, body, tag.hex()):
         raise AuthFailure("wrong or missing HMAC")
-    msg = parse_message(body)
-    if msg["type"] != frame.get("type"):
-        raise MalformedMessage("sealed type differs from the frame's")
-    return msg
+    return parse_message(body)
 
 
 def _ident(value: Any, what: str) -> str:
@@ -212,13 +264,18 @@ def _items(value: Any, what: str, limit: int = MAX_IDS) -> list[Any]:
 
 
 def check_message(msg: Mapping[str, Any]) -> dict[str, Any]:
-    """A decode's ``dst`` / ``cancel`` / ``renew`` message with every field checked (types, ranges, sizes) and
+    """A decode's ``dst`` / ``cancel`` / ``renew`` / ``pong`` message with every field checked (types, ranges, sizes) and
     normalised (ids as strings). Raises MalformedMessage; called on the server's reader thread, so nothing
     malformed reaches the scheduler."""
     mtype = msg.get("type")
     mode = msg.get("mode")
     if mode is not None and mode not in ("push", "pull"):
         raise MalformedMessage("mode must be 'push' or 'pull'")
+    if mtype == "pong":  # the answer to a ping: proves the connection's peer is alive (SideChannelServer)
+        token = msg.get("token")
+        if not isinstance(token, str) or len(token) > 128:
+            raise MalformedMessage("pong without a token")
+        return {"type": "pong", "token": token}
     if mtype == "renew":
         return {"type": "renew", "xfers": [_ident(x, "xfer") for x in _items(msg.get("xfers"), "xfers")]}
     xfer = _ident(msg.get("xfer"), "xfer")

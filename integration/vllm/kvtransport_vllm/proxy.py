@@ -12,19 +12,28 @@ requests :func:`first_token_ineligible` names) the decode's answer is relayed as
 side-channel address is learned with a one-token discovery request (bounded: ``DISCOVERY_TIMEOUT_S``), and
 re-learned: from every prefill response (its ``remote_host`` / ``remote_port``), after any failure of that
 instance (the cache is dropped), and, when cached longer than ``REVALIDATE_AFTER_S``, by a TCP connect
-(``PROBE_TIMEOUT_S``) before it is handed out. A prefill that fails (discovery, probe or request) leaves the
-rotation for a backoff of ``BACKOFF_MIN_S`` doubling to ``BACKOFF_MAX_S``; a request that picked it goes to the
-next live prefill instead (a prefill that restarted on a new side-channel port is found again at its next use).
+(``PROBE_TIMEOUT_S``) before it is handed out.
 
 Pull mode (``--mode pull``): the order of vLLM's toy proxy (prefill first, its ``kv_transfer_params`` handed
 to decode), with NixlConnector's keys.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (the first decode's), GET /health.
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (the first decode's), GET /health,
+GET /ready, GET /metrics (Prometheus text format: :meth:`Proxy.metrics`, :mod:`.proxymetrics`).
+
+Bounds, against careless clients and failing instances (integration/vllm/README.md, "kvtransport-proxy: bounds,
+health, metrics"): request bodies (413, never buffered beyond ``--max-body-bytes``); malformed requests get 400
+and reach no instance (:mod:`.proxycheck`: :func:`parse_request`, :func:`invalid`); every upstream call is bounded
+(connect, ``--prefill-timeout``, ``--timeout``, discovery, probes), a timeout answered 504 naming the instance and
+the flag.
+An instance that fails leaves the rotation for a backoff (``BACKOFF_MIN_S`` doubling to ``BACKOFF_MAX_S``), and
+round-robin skips it; a probe of every instance's GET /health (``--health-interval``, ``--health-timeout``) takes
+out those that do not answer and re-admits a down one once it answers 200 (:meth:`Instance.probed`); ``/health``
+names the instances out (:meth:`Proxy.health`). SIGTERM stops the proxy within ``STOP_TIMEOUT_S``.
 
 The HTTP layer is :mod:`.http11` (asyncio + httptools, under uvloop when it is installed): the proxy's own cost
-on a request's first token is a fraction of a millisecond (``benchmarks/proxy_overhead.py``). Upstream answers
-are relayed as bytes (pull mode, the decode's order, errors, non-streamed answers); only the streamed first-token
-flow rewrites the decode's events.
+on a request's first token is a fraction of a millisecond (``benchmarks/proxy_overhead.py``; ``/metrics``
+reports it per request). Upstream answers are relayed as bytes (pull mode, the decode's order, errors,
+non-streamed answers); only the streamed first-token flow rewrites the decode's events.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import importlib
 import itertools
 import json
 import logging
+import math
 import os
 import signal
 import time
@@ -62,25 +72,41 @@ from .firsttoken import (
     sse,
     usage_chunk,
 )
+from .proxycheck import MAX_N, REQUEST_BODY_BYTES, invalid, max_items_for, parse_request
+from .proxymetrics import OUTCOMES, ProxyMetrics, RequestTimer
 
 log = logging.getLogger("kvtransport.proxy")
 
-__all__ = ["BACKOFF_MAX_S", "BACKOFF_MIN_S", "CONNECT_TIMEOUT_S", "DISCOVERY_TIMEOUT_S", "PROBE_TIMEOUT_S",
-           "REVALIDATE_AFTER_S", "Instance", "Proxy", "first_token_ineligible", "main"]
+__all__ = ["ANSWER_BYTES", "BACKOFF_MAX_S", "BACKOFF_MIN_S", "CONNECT_TIMEOUT_S", "DECODE_TIMEOUT_S",
+           "DISCOVERY_TIMEOUT_S", "HEALTH_INTERVAL_S", "HEALTH_TIMEOUT_S", "MAX_N", "OUTCOMES", "PREFILL_TIMEOUT_S",
+           "PROBE_TIMEOUT_S", "REQUEST_BODY_BYTES", "REVALIDATE_AFTER_S", "STOP_TIMEOUT_S", "Instance", "Proxy",
+           "first_token_ineligible", "invalid", "main", "parse_request"]
 
 CONNECT_TIMEOUT_S = 10.0
 """Bound on connecting to an instance."""
 DISCOVERY_TIMEOUT_S = 10.0
 """Bound on the whole discovery of a prefill's side channel (its model name, the one-token request, its answer):
 a prefill that accepts and never answers fails the discovery (and leaves the rotation) within it."""
+PREFILL_TIMEOUT_S = 300.0
+"""Default bound on a prefill leg's answer (one token: the prompt's queueing and computation), per wait."""
+DECODE_TIMEOUT_S = 600.0
+"""Default bound on a decode's answer head and each of its next bytes (the OpenAI client's own default; a
+non-streamed answer's head comes once it is whole)."""
 REVALIDATE_AFTER_S = 5.0
 """A side-channel address cached longer than this is checked (TCP connect) before it is handed out."""
 PROBE_TIMEOUT_S = 1.0
 BACKOFF_MIN_S, BACKOFF_MAX_S = 1.0, 30.0
-"""A failed prefill leaves the rotation this long (doubling per consecutive failure, capped)."""
+"""A failed instance leaves the rotation this long (doubling per consecutive failure, capped)."""
+HEALTH_INTERVAL_S, HEALTH_TIMEOUT_S = 2.0, 5.0
+"""Every instance's GET /health is probed this often, each probe bounded by HEALTH_TIMEOUT_S (generous: a busy
+instance must not leave the rotation for a slow /health; vLLM answers it from its API server, not its engine)."""
+STOP_TIMEOUT_S = 5.0
+"""Bound on stopping (SIGTERM): requests in flight are cut."""
 PREFILL_REAP_S = 60.0
 """Push flow, the decode's order: how long the prefill's answer is awaited after the decode's answer ended (it
 refreshes the side-channel cache); then its request is closed."""
+ANSWER_BYTES = 64 * 1024 * 1024
+"""Bound on an instance's answer read whole (a non-streamed completion, its logprobs included)."""
 APIS = ("/v1/completions", "/v1/chat/completions")
 FORWARDED = ("authorization", "x-request-id")
 """Client headers passed on to the instances."""
@@ -89,29 +115,56 @@ _JSON = "application/json"
 
 @dataclass(eq=False)
 class Instance:
-    """One vLLM server the proxy talks to."""
+    """One vLLM server the proxy talks to. In rotation while ``down_until`` has passed."""
 
     url: str
     pool: http11.Pool
+    role: str = "prefill"
     side: dict[str, Any] | None = None
     side_checked: float = 0.0  # when ``side`` was learned or last found reachable (monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     failures: int = 0  # consecutive
     down_until: float = 0.0
     failed_at: float = 0.0  # the last mark_down (monotonic)
+    why: str = ""  # the last failure
+    taken_out: int = 0  # times marked down (for /metrics)
 
     def mark_down(self, why: object) -> None:
         """This instance failed: forget its side channel, keep it out of the rotation for a bounded backoff."""
         self.failures += 1
+        self.taken_out += 1
         backoff = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** min(self.failures - 1, 16))
         self.failed_at = time.monotonic()
         self.down_until = self.failed_at + backoff
         self.side = None
-        log.warning("instance %s failed (%s): out of rotation for %gs", self.url, why, backoff)
+        self.why = str(why) or type(why).__name__
+        log.warning("%s %s failed (%s): out of rotation for %gs", self.role, self.url, self.why, backoff)
+
+    def up(self, now: float) -> bool:
+        return self.down_until <= now  # in rotation at ``now`` (monotonic)
+
+    def answered(self) -> None:
+        """A successful answer: back in rotation, the backoff starts over."""
+        if self.failures or self.down_until:
+            log.info("%s %s answers again: back in rotation", self.role, self.url)
+            self.failures, self.down_until = 0, 0.0
+
+    def probed(self, healthy: bool | None, why: str, hold: float) -> None:
+        """A health probe's result: ``True`` (200) re-admits a down instance now; ``None`` (no answer) takes an
+        instance in rotation out, and keeps a down one out for ``hold`` more seconds; ``False`` (another status)
+        changes nothing (the backoff decides)."""
+        now = time.monotonic()
+        if healthy and not self.up(now):
+            log.info("%s %s answers /health again: back in rotation", self.role, self.url)
+            self.down_until = 0.0
+        elif healthy is None:
+            if self.up(now):
+                self.mark_down(f"no answer to GET /health: {why}")
+            self.down_until = max(self.down_until, now + hold)
 
     def learn(self, params: dict[str, Any] | None) -> None:
-        """A successful answer: back in rotation; its ``remote_host/port/engine_id`` refresh the cache."""
-        self.failures, self.down_until = 0, 0.0
+        """A successful prefill answer: back in rotation; its ``remote_host/port/engine_id`` refresh the cache."""
+        self.answered()
         params = params or {}
         host, port, engine = params.get("remote_host"), params.get("remote_port"), params.get("remote_engine_id")
         if host and isinstance(port, int) and engine:
@@ -143,67 +196,131 @@ class _AlreadyDown(Exception):
     """The instance failed (and was marked down) while this request waited for its lock."""
 
 
+class _Abandoned(http11.HTTPError):
+    """Push flow, the decode's order: the prefill leg timed out before the decode's answer began; the decode leg
+    is closed (its answer would wait for KV that is not coming) and the client told why (504)."""
+
+
 class Proxy:
     """Round-robin P/D routing (see module docstring). One per process; used from the event loop only. Its
     :meth:`__call__` is the :class:`http11.Server` handler (:meth:`serve`)."""
 
-    def __init__(self, prefill: list[str], decode: list[str], mode: str = "push", timeout: float | None = None,
-                 first_token: str = "prefill", *, max_body_bytes: int = http11.MAX_BODY_BYTES,
-                 discovery_timeout: float = DISCOVERY_TIMEOUT_S) -> None:
-        """``prefill`` / ``decode``: instance URLs (``http://host:port``). ``timeout``: seconds to wait for an
-        instance's answer head and for each of its next bytes (None: no bound, for long generations);
-        connecting is bounded by CONNECT_TIMEOUT_S and discovery by ``discovery_timeout``. ``first_token``: who
-        answers a push-flow request's first token, ``"prefill"`` (Splitwise's order, the default: see
-        :func:`first_token_ineligible` for the requests that still take the decode's) or ``"decode"`` (the decode
-        recomputes the last prompt token and samples it, as vLLM's own P/D does). ``max_body_bytes``: bound on a
-        client's request body (413 beyond) and on an instance's whole answer."""
+    def __init__(self, prefill: list[str], decode: list[str], mode: str = "push",
+                 timeout: float | None = DECODE_TIMEOUT_S, first_token: str = "prefill", *,
+                 max_body_bytes: int = REQUEST_BODY_BYTES, discovery_timeout: float = DISCOVERY_TIMEOUT_S,
+                 prefill_timeout: float | None = PREFILL_TIMEOUT_S,
+                 health_interval: float | None = HEALTH_INTERVAL_S, health_timeout: float = HEALTH_TIMEOUT_S) -> None:
+        """``prefill`` / ``decode``: instance URLs (``http://host:port``). ``timeout``: seconds to wait for a
+        decode's answer head and for each of its next bytes; ``prefill_timeout``: the same for a prefill leg
+        (None: no bound); connecting is bounded by CONNECT_TIMEOUT_S, discovery by ``discovery_timeout``.
+        ``first_token``: who answers a push-flow request's first token, ``"prefill"`` (Splitwise's order, the
+        default: see :func:`first_token_ineligible` for the requests that still take the decode's) or ``"decode"``
+        (the decode recomputes the last prompt token and samples it, as vLLM's own P/D does). ``max_body_bytes``:
+        bound on a client's request body (413 beyond). ``health_interval``: seconds between health probes of every
+        instance (None: none; instances then come back when their backoff ran out), each bounded by
+        ``health_timeout``. Raises ValueError."""
         if first_token not in FIRST_TOKEN:
             raise ValueError(f"first_token must be one of {FIRST_TOKEN}, got {first_token!r}")
         if mode not in ("push", "pull"):
             raise ValueError(f"mode must be push or pull, got {mode!r}")
         if not prefill or not decode:
             raise ValueError("need at least one --prefill and one --decode URL")
-        self.first_token = first_token
-        self.mode = mode
-        self.timeout = timeout
-        self.max_body_bytes = max_body_bytes
+        bounds = {"timeout": timeout, "prefill_timeout": prefill_timeout, "health_interval": health_interval,
+                  "health_timeout": health_timeout, "discovery_timeout": discovery_timeout}
+        if bad := [f"{k}={v!r}" for k, v in bounds.items() if v is not None and not 0 < v < math.inf]:
+            raise ValueError(f"timeouts and intervals are positive numbers of seconds, got {', '.join(bad)}")
+        self.first_token, self.mode, self.timeout, self.prefill_timeout = first_token, mode, timeout, prefill_timeout
+        self.max_body_bytes, self.max_items = max_body_bytes, max_items_for(max_body_bytes)
         self.discovery_timeout = discovery_timeout
+        self.health_interval, self.health_timeout = health_interval, health_timeout
 
-        def mk(url: str) -> Instance:
+        def mk(url: str, role: str, bound: float | None) -> Instance:
             base = url.rstrip("/")
-            return Instance(base, http11.Pool(base, connect_timeout=CONNECT_TIMEOUT_S, head_timeout=timeout,
-                                              read_timeout=timeout, max_body_bytes=max_body_bytes))
+            return Instance(base, http11.Pool(base, connect_timeout=CONNECT_TIMEOUT_S, head_timeout=bound,
+                                              read_timeout=bound, max_body_bytes=ANSWER_BYTES), role)
 
-        self.prefill = [mk(u) for u in prefill]
-        self.decode = [mk(u) for u in decode]
+        self.prefill = [mk(u, "prefill", prefill_timeout) for u in prefill]
+        self.decode = [mk(u, "decode", timeout) for u in decode]
         self._p = itertools.cycle(range(len(self.prefill)))
         self._d = itertools.cycle(range(len(self.decode)))
         self._model: str | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        self._prober: asyncio.Task[None] | None = None
+        self._server: http11.Server | None = None
+        self.stats = ProxyMetrics()  # /metrics
 
     async def serve(self, host: str = "127.0.0.1", port: int = 0) -> http11.Server:
-        """Listen on ``host:port`` (port 0: any free port, ``server.port`` tells)."""
-        return await http11.Server(self, max_body_bytes=self.max_body_bytes).start(host, port)
+        """Listen on ``host:port`` (port 0: any free port, ``server.port`` tells); health probes start."""
+        self._server = await http11.Server(self, max_body_bytes=self.max_body_bytes).start(host, port)
+        if self.health_interval is not None and self._prober is None:
+            self._prober = asyncio.ensure_future(self._probe_forever(self.health_interval))
+        return self._server
 
     async def close(self) -> None:
-        for task in list(self._background):
+        """Stop probing, cut the background prefill legs (bounded: STOP_TIMEOUT_S), close the pools."""
+        tasks = [*self._background, *([self._prober] if self._prober is not None else [])]
+        self._prober = None
+        for task in tasks:
             task.cancel()
-        if self._background:
-            await asyncio.wait(list(self._background), timeout=5)
+        if tasks:
+            await asyncio.wait(tasks, timeout=STOP_TIMEOUT_S)
         for inst in self.prefill + self.decode:
             await inst.pool.close()
 
+    @staticmethod
+    def _next_up(instances: list[Instance], turn: itertools.cycle[int]) -> Instance:
+        now = time.monotonic()
+        for _ in instances:
+            inst = instances[next(turn)]
+            if inst.down_until <= now:
+                return inst
+        return min(instances, key=lambda i: i.down_until)
+
     def pick(self) -> tuple[Instance, Instance]:
-        return self.pick_prefill(), self.decode[next(self._d)]
+        return self.pick_prefill(), self.pick_decode()
 
     def pick_prefill(self) -> Instance:
         """The next prefill in rotation that is not backing off (all backing off: the one free soonest)."""
+        return self._next_up(self.prefill, self._p)
+
+    def pick_decode(self) -> Instance:
+        """The next decode in rotation that is not backing off (all backing off: the one free soonest)."""
+        return self._next_up(self.decode, self._d)
+
+    # ------------------------------------------------------------------------------------------- health
+    async def _probe_forever(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            for out in await asyncio.gather(*map(self.probe, self.prefill + self.decode), return_exceptions=True):
+                if isinstance(out, Exception):  # a bug: the probes go on
+                    log.error("health probe failed: %r", out)
+
+    async def probe(self, inst: Instance) -> None:
+        """GET /health on ``inst``, bounded by ``health_timeout`` as a whole: see :meth:`Instance.probed`."""
+        try:
+            async with asyncio.timeout(self.health_timeout):
+                r = await inst.pool.request("GET", "/health", head_timeout=None, read_timeout=None)
+                await r.read(1 << 16)
+        except (http11.HTTPError, TimeoutError) as exc:
+            why = str(exc) or f"none within {self.health_timeout:g} s"
+            inst.probed(None, why, (self.health_interval or 0) + 2 * self.health_timeout)
+            return
+        inst.probed(r.status == 200, f"HTTP {r.status}", 0)
+
+    def health(self) -> dict[str, Any]:
+        """``/health``'s body: ``status`` ``ok`` (every instance in rotation), ``degraded`` (some out) or
+        ``unavailable`` (every prefill or every decode out); ``down``: the instances out and why (when any)."""
         now = time.monotonic()
-        for _ in self.prefill:
-            inst = self.prefill[next(self._p)]
-            if inst.down_until <= now:
-                return inst
-        return min(self.prefill, key=lambda i: i.down_until)
+        down = {i.url: i.why for i in self.prefill + self.decode if not i.up(now)}
+        gone = all(i.url in down for i in self.prefill) or all(i.url in down for i in self.decode)
+        out: dict[str, Any] = {"status": "unavailable" if gone else "degraded" if down else "ok", "mode": self.mode,
+                               "prefill": [i.url for i in self.prefill], "decode": [i.url for i in self.decode]}
+        return {**out, "down": down} if down else out
+
+    def metrics(self) -> str:
+        """``/metrics``: Prometheus text format (version 0.0.4; :meth:`.proxymetrics.ProxyMetrics.render`)."""
+        refused = self._server.refused if self._server is not None else {}
+        return self.stats.render(self.prefill + self.decode, refused)
 
     @staticmethod
     async def reachable(side: dict[str, Any]) -> bool:
@@ -297,12 +414,27 @@ class Proxy:
             if request.method != "POST":
                 _error(405, f"{path} takes POST").send(reply)
                 return
-            await self.handle(path, request, reply)
+            rq = RequestTimer()
+            stats = self.stats
+            stats.in_flight += 1
+            try:
+                await self.handle(path, request, reply, rq)
+            except http11.ClientDisconnected:
+                raise
+            except Exception:
+                rq.failed = True  # a bug: http11 answers 500
+                raise
+            finally:
+                stats.in_flight -= 1
+                stats.account(reply, rq)
         elif path == "/v1/models" and request.method == "GET":
             await self._models(reply)
-        elif path == "/health" and request.method == "GET":
-            reply.send(200, json.dumps({"status": "ok", "mode": self.mode, "prefill": [i.url for i in self.prefill],
-                                        "decode": [i.url for i in self.decode]}).encode())
+        elif path in ("/health", "/ready") and request.method == "GET":
+            body = self.health()
+            ready = path == "/health" or body["status"] != "unavailable"
+            reply.send(200 if ready else 503, json.dumps(body).encode())
+        elif path == "/metrics" and request.method == "GET":
+            reply.send(200, self.metrics().encode(), "text/plain; version=0.0.4; charset=utf-8")
         else:
             _error(404, f"no route {request.method} {path}").send(reply)
 
@@ -316,37 +448,35 @@ class Proxy:
             return
         reply.send(r.status, raw, r.headers.get("content-type", _JSON))
 
-    async def handle(self, api: str, request: http11.Request, reply: http11.Reply) -> None:
-        try:
-            body = json.loads(request.body)
-        except ValueError as exc:
-            _error(400, f"the request body is not JSON: {exc}").send(reply)
+    async def handle(self, api: str, request: http11.Request, reply: http11.Reply, rq: RequestTimer) -> None:
+        """Route one API request (see the module docstring); a malformed one gets 400 and reaches no instance."""
+        body = parse_request(request.body, self.max_items)
+        if isinstance(body, str):
+            _error(400, body).send(reply)
             return
-        if not isinstance(body, dict):
-            _error(400, "the request body is not a JSON object").send(reply)
+        if (why := invalid(body, api == "/v1/chat/completions")) is not None:
+            _error(400, f"invalid request: {why}").send(reply)
             return
-        try:
-            n = int(body.get("n") or 1)
-            why_not = first_token_ineligible(body) if self.mode == "push" and self.first_token == "prefill" else None
-        except (TypeError, ValueError) as exc:
-            _error(400, f"invalid request: {exc}").send(reply)
-            return
-        xfer = os.urandom(16).hex()
-        trace.event("proxy.recv", xfer)
+        why_not = first_token_ineligible(body) if self.mode == "push" and self.first_token == "prefill" else None
+        trace.event("proxy.recv", rq.xfer)
+        n = body.get("n") or 1
         hdrs = request.headers
         headers = [("content-type", _JSON), *((k, hdrs[k]) for k in FORWARDED if k in hdrs)]
         p, d = self.pick()
         if self.mode == "push" and self.first_token == "prefill":
             if why_not == "max_tokens=1":  # the prefill's one token is the whole answer: no decode leg
-                await self._single(p, api, request.body, headers, reply)
+                raw = request.body
+                if "kv_transfer_params" in body:  # the proxy's to set, never a client's
+                    raw = json.dumps({k: v for k, v in body.items() if k != "kv_transfer_params"}).encode()
+                await self._single(p, api, raw, headers, reply, rq)
                 return
             if why_not is None:
-                await self._first_from_prefill(p, d, api, body, headers, xfer, reply)
+                await self._first_from_prefill(p, d, api, body, headers, rq, reply)
                 return
         if self.mode == "push":
-            await self._push(p, d, api, body, n, headers, xfer, reply)
+            await self._push(p, d, api, body, n, headers, rq, reply)
         else:
-            await self._pull(p, d, api, body, n, headers, xfer, reply)
+            await self._pull(p, d, api, body, n, headers, rq, reply)
 
     async def _side_channel(self, p: Instance, headers: list[tuple[str, str]], reply: http11.Reply
                             ) -> tuple[Instance, dict[str, Any]] | None:
@@ -365,15 +495,27 @@ class Proxy:
         _error(503, "no prefill instance reachable: " + ", ".join(i.url for i in self.prefill)).send(reply)
         return None
 
+    def _failed(self, inst: Instance, exc: http11.HTTPError) -> _Answer:
+        """``inst`` failed with ``exc``: marked down (unless the failure is not its own: an answer too large, an
+        abandoned decode leg); the client's answer: 504 for a timeout, else 502, naming the instance."""
+        if isinstance(exc, _Abandoned):
+            return _error(504, str(exc))
+        log.error("%s %s failed: %s", inst.role, inst.url, exc)
+        if isinstance(exc, http11.TooLarge):
+            return _error(502, f"{inst.role} instance {inst.url} failed: {exc}")
+        inst.mark_down(exc)
+        if isinstance(exc, http11.ReadTimeout):
+            flag = "--prefill-timeout" if inst.role == "prefill" else "--timeout"
+            return _error(504, f"{inst.role} instance {inst.url} failed: {exc} (raise {flag} if it is only slow)")
+        return _error(502, f"{inst.role} instance {inst.url} failed: {exc}")
+
     async def _open(self, inst: Instance, api: str, body: bytes, headers: list[tuple[str, str]]
                     ) -> http11.ClientResponse | _Answer:
         """A prefill leg, written now; a connect failure marks the prefill down."""
         try:
             return await inst.pool.open("POST", api, body, headers)
         except http11.HTTPError as exc:
-            log.error("prefill %s failed: %s", inst.url, exc)
-            inst.mark_down(exc)
-            return _error(502, f"prefill instance {inst.url} failed: {exc}")
+            return self._failed(inst, exc)
 
     async def _prefill_answer(self, inst: Instance, leg: http11.ClientResponse | _Answer) -> dict[str, Any] | _Answer:
         """The prefill's answer (parsed; its side channel learned) or, when it failed, what to relay."""
@@ -381,11 +523,9 @@ class Proxy:
             return leg
         try:
             await leg.head()
-            raw = await leg.read(self.max_body_bytes)
+            raw = await leg.read()
         except http11.HTTPError as exc:
-            log.error("prefill %s failed: %s", inst.url, exc)
-            inst.mark_down(exc)
-            return _error(502, f"prefill instance {inst.url} failed: {exc}")
+            return self._failed(inst, exc)
         finally:
             leg.close()
         if leg.status != 200:
@@ -404,50 +544,61 @@ class Proxy:
         inst.learn(params if isinstance(params, dict) else None)
         return out
 
-    async def _open_decode(self, d: Instance, api: str, body: bytes, headers: list[tuple[str, str]]
-                           ) -> http11.ClientResponse | None:
-        try:
-            return await d.pool.open("POST", api, body, headers)
-        except http11.HTTPError as exc:
-            log.error("decode %s failed: %s", d.url, exc)
-            return None
+    def _no_decode(self) -> _Answer:
+        return _error(502, "no decode instance reachable: " + ", ".join(i.url for i in self.decode))
 
-    async def _relay(self, resp: http11.ClientResponse, reply: http11.Reply, xfer: str | None = None,
-                     who: str = "decode") -> None:
+    async def _open_decode(self, d: Instance, api: str, body: bytes, headers: list[tuple[str, str]]
+                           ) -> tuple[Instance, http11.ClientResponse | None]:
+        """A decode leg, written now on ``d`` or, when it cannot be reached (marked down), on the next decode in
+        rotation; None when none can."""
+        for attempt in range(len(self.decode)):
+            if attempt:
+                d = self.pick_decode()
+            try:
+                return d, await d.pool.open("POST", api, body, headers)
+            except http11.HTTPError as exc:
+                self._failed(d, exc)
+        return d, None
+
+    async def _relay(self, resp: http11.ClientResponse, inst: Instance, reply: http11.Reply,
+                     rq: RequestTimer | None = None) -> None:
         """An instance's answer to the client as it is (status, content type, bytes): whole when it came with a
-        content-length, else streamed chunk by chunk. ``xfer``: trace its first bytes."""
+        content-length, else streamed chunk by chunk. A failure before the first bytes out is answered 502/504
+        (:meth:`_failed`); after them, the reply is cut short. ``rq``: trace and time its first bytes."""
         try:
             await resp.head()
+            if resp.status < 500:
+                inst.answered()
             ctype = resp.headers.get("content-type", _JSON)
             if "content-length" in resp.headers:
-                raw = await resp.read(self.max_body_bytes)
-                if xfer is not None:
-                    trace.event("proxy.decode_first", xfer)
-                    trace.event("proxy.first_out", xfer)
+                raw = await resp.read()
+                if rq is not None:
+                    rq.resume("proxy.decode_first")
                 reply.send(resp.status, raw, ctype)
+                if rq is not None:
+                    rq.out()
                 return
         except http11.HTTPError as exc:
-            log.error("%s %s failed: %s", who, resp.pool.url, exc)
-            _error(502, f"{who} instance {resp.pool.url} failed: {exc}").send(reply)
+            self._failed(inst, exc).send(reply)
             return
         started = False
         try:
             async for chunk in resp:
                 if not started:
+                    if rq is not None:
+                        rq.resume("proxy.decode_first")
                     reply.start(resp.status, ctype)
                     started = True
-                    if xfer is not None:
-                        trace.event("proxy.decode_first", xfer)
                 await reply.write(chunk)
-                if xfer is not None and started:
-                    trace.event("proxy.first_out", xfer)
-                    xfer = None
+                if rq is not None:
+                    rq.out()
+                    rq = None
         except http11.ClientDisconnected:
             raise
         except http11.HTTPError as exc:
-            log.error("%s %s failed: %s", who, resp.pool.url, exc)
+            answer = self._failed(inst, exc)
             if not started:
-                _error(502, f"{who} instance {resp.pool.url} failed: {exc}").send(reply)
+                answer.send(reply)
             else:
                 reply.abort()  # the client sees a truncated answer
             return
@@ -456,38 +607,41 @@ class Proxy:
         reply.end()
 
     async def _single(self, p: Instance, api: str, raw: bytes, headers: list[tuple[str, str]],
-                      reply: http11.Reply) -> None:
+                      reply: http11.Reply, rq: RequestTimer) -> None:
         """A request the prefill answers alone (one token): the client's bytes to it, its answer back as is."""
         leg = await self._open(p, api, raw, headers)
         if isinstance(leg, _Answer):
             leg.send(reply)
             return
+        rq.wait("proxy.sent")
         try:
-            await self._relay(leg, reply, who="prefill")
+            await self._relay(leg, p, reply, rq)
         finally:
             leg.close()
 
     async def _push(self, p: Instance, d: Instance, api: str, body: dict[str, Any], n: int,
-                    headers: list[tuple[str, str]], xfer: str, reply: http11.Reply) -> None:
-        """The push flow in the decode's order: both legs at once, the decode's answer relayed as is."""
+                    headers: list[tuple[str, str]], rq: RequestTimer, reply: http11.Reply) -> None:
+        """The push flow in the decode's order: both legs at once, the decode's answer relayed as is (unless the
+        prefill leg times out before it begins: then 504)."""
         found = await self._side_channel(p, headers, reply)
         if found is None:
             return
         p, side = found
-        pbody = self.prefill_body(body, {"do_remote_decode": True, "do_remote_prefill": False, "kvt_xfer": xfer,
-                                         "kvt_fanout": n})
+        pbody = self.prefill_body(body, {"do_remote_decode": True, "do_remote_prefill": False,
+                                         "kvt_xfer": rq.xfer, "kvt_fanout": n})
         dbody = dict(body)
-        dbody["kv_transfer_params"] = self.decode_params(xfer, side)
+        dbody["kv_transfer_params"] = self.decode_params(rq.xfer, side)
         leg = await self._open(p, api, json.dumps(pbody).encode(), headers)
         prefill = asyncio.ensure_future(self._prefill_answer(p, leg))
         dresp = None
         try:
-            dresp = await self._open_decode(d, api, json.dumps(dbody).encode(), headers)
-            trace.event("proxy.sent", xfer)
+            d, dresp = await self._open_decode(d, api, json.dumps(dbody).encode(), headers)
+            rq.wait("proxy.sent")
             if dresp is None:
-                _error(502, f"decode instance {d.url} failed").send(reply)
+                self._no_decode().send(reply)
             else:
-                await self._relay(dresp, reply, xfer)
+                prefill.add_done_callback(self._abandon_on_timeout(p, dresp, reply))
+                await self._relay(dresp, d, reply, rq)
         except BaseException:
             prefill.cancel()  # the client went away: so does the prefill leg
             _close(leg)
@@ -495,6 +649,18 @@ class Proxy:
         finally:
             _close(dresp)
         self._reap(prefill)
+
+    def _abandon_on_timeout(self, p: Instance, dresp: http11.ClientResponse, reply: http11.Reply
+                            ) -> Callable[[asyncio.Future[Any]], None]:
+        def done(task: asyncio.Future[Any]) -> None:
+            if task.cancelled() or task.exception() is not None or reply.started:
+                return
+            answer = task.result()
+            if isinstance(answer, _Answer) and answer.status == 504:
+                dresp.fail(_Abandoned(f"prefill instance {p.url} did not answer within {self.prefill_timeout:g} s "
+                                      "(raise --prefill-timeout if it is only slow)"))
+
+        return done
 
     def _reap(self, task: asyncio.Future[Any]) -> None:
         """Let ``task`` (a prefill leg whose answer only refreshes the cache) finish in the background, at most
@@ -512,7 +678,7 @@ class Proxy:
         reaper.add_done_callback(done)
 
     async def _pull(self, p: Instance, d: Instance, api: str, body: dict[str, Any], n: int,
-                    headers: list[tuple[str, str]], xfer: str, reply: http11.Reply) -> None:
+                    headers: list[tuple[str, str]], rq: RequestTimer, reply: http11.Reply) -> None:
         """vLLM's toy-proxy order: the prefill first; its ``kv_transfer_params`` to the decode, whose answer is
         relayed as is."""
         # kvt_fanout: the decode request's n children each pull; the prefill keeps its blocks for all of them
@@ -520,51 +686,56 @@ class Proxy:
         pbody = self.prefill_body(body, {"do_remote_decode": True, "do_remote_prefill": False,
                                          "remote_engine_id": None, "remote_block_ids": None,
                                          "remote_host": None, "remote_port": None, "kvt_fanout": n})
-        presp = await self._prefill_answer(p, await self._open(p, api, json.dumps(pbody).encode(), headers))
+        leg = await self._open(p, api, json.dumps(pbody).encode(), headers)
+        rq.wait()
+        presp = await self._prefill_answer(p, leg)
+        rq.resume()
         if isinstance(presp, _Answer):
             presp.send(reply)
             return
         dbody = dict(body)
+        dbody.pop("kv_transfer_params", None)  # the proxy's to set, never a client's
         if presp.get("kv_transfer_params"):
             dbody["kv_transfer_params"] = presp["kv_transfer_params"]
-        dresp = await self._open_decode(d, api, json.dumps(dbody).encode(), headers)
-        trace.event("proxy.sent", xfer)
+        d, dresp = await self._open_decode(d, api, json.dumps(dbody).encode(), headers)
+        rq.wait("proxy.sent")
         if dresp is None:
-            _error(502, f"decode instance {d.url} failed").send(reply)
+            self._no_decode().send(reply)
             return
         try:
-            await self._relay(dresp, reply, xfer)
+            await self._relay(dresp, d, reply, rq)
         finally:
             dresp.close()
 
     async def _first_from_prefill(self, p: Instance, d: Instance, api: str, body: dict[str, Any],
-                                  headers: list[tuple[str, str]], xfer: str, reply: http11.Reply) -> None:
+                                  headers: list[tuple[str, str]], rq: RequestTimer, reply: http11.Reply) -> None:
         """Splitwise's order: both legs start at once (the decode allocates and receives the KV layer by layer);
         the client gets the first token from the prefill as soon as it is sampled, then the decode's answer,
-        which includes that token (the prefill hands it to the decode engine with the KV)."""
+        which includes that token (the prefill hands it to the decode engine with the KV). A prefill that does
+        not answer within its timeout: 504, the decode leg closed."""
         found = await self._side_channel(p, headers, reply)
         if found is None:
             return
         p, side = found
         pbody = first_token_prefill_body(body, {"do_remote_decode": True, "do_remote_prefill": False,
-                                                "kvt_xfer": xfer, "kvt_fanout": 1, "kvt_first_token": True})
+                                                "kvt_xfer": rq.xfer, "kvt_fanout": 1, "kvt_first_token": True})
         chat = api == "/v1/chat/completions"
         leg: http11.ClientResponse | _Answer | None = None
         dresp = None
         try:
             # the prefill leg first (the first token's path), the decode leg right behind it
             leg = await self._open(p, api, json.dumps(pbody).encode(), headers)
-            dbody = first_token_decode_body(body, self.decode_params(xfer, side, first_token=True))
-            dresp = await self._open_decode(d, api, json.dumps(dbody).encode(), headers)
-            trace.event("proxy.sent", xfer)
+            dbody = first_token_decode_body(body, self.decode_params(rq.xfer, side, first_token=True))
+            d, dresp = await self._open_decode(d, api, json.dumps(dbody).encode(), headers)
+            rq.wait("proxy.sent")
             presp = await self._prefill_answer(p, leg)
-            trace.event("proxy.prefill_done", xfer)
+            rq.resume("proxy.prefill_done")
             first = first_choice(presp)
             if first is None:  # the prefill failed: the decode takes the failure path; relay its answer
-                if dresp is not None:
-                    await self._relay(dresp, reply, xfer)
-                elif isinstance(presp, _Answer):
-                    presp.send(reply)
+                if isinstance(presp, _Answer) and (presp.status == 504 or dresp is None):
+                    presp.send(reply)  # a timeout: the decode would wait for KV that is not coming
+                elif dresp is not None:
+                    await self._relay(dresp, d, reply, rq)
                 else:
                     _error(502, f"prefill {p.url} and decode {d.url} failed").send(reply)
                 return
@@ -575,19 +746,19 @@ class Proxy:
                     _close(dresp)
                     presp.pop("kv_transfer_params", None)
                     reply.send(200, json.dumps(presp).encode())
-                    trace.event("proxy.first_out", xfer)
+                    rq.out()
                 elif dresp is None:
-                    _error(502, f"decode instance {d.url} failed").send(reply)
+                    self._no_decode().send(reply)
                 else:  # the decode's answer includes the first token: as it is
-                    await self._relay(dresp, reply, xfer)
+                    await self._relay(dresp, d, reply, rq)
                 return
-            await self._stream_first(presp, dresp, d, body, chat, finished, xfer, reply)
+            await self._stream_first(presp, dresp, d, body, chat, finished, rq, reply)
         finally:  # whatever happened (the client may have gone): both legs end here
             _close(leg)
             _close(dresp)
 
     async def _stream_first(self, presp: dict[str, Any], dresp: http11.ClientResponse | None, d: Instance,
-                            body: dict[str, Any], chat: bool, finished: bool, xfer: str,
+                            body: dict[str, Any], chat: bool, finished: bool, rq: RequestTimer,
                             reply: http11.Reply) -> None:
         event, emitted = first_chunk(presp, chat, finished, holdback(body))
         reply.start(200, "text/event-stream")
@@ -597,35 +768,38 @@ class Proxy:
             if (body.get("stream_options") or {}).get("include_usage"):
                 out += sse(usage_chunk(presp, chat))
             await reply.write(out + DONE)
-            trace.event("proxy.first_out", xfer)
+            rq.out()
             reply.end()
             return
         await reply.write(sse(event))
-        trace.event("proxy.first_out", xfer)
+        rq.out()
         if dresp is None:
-            await reply.write(sse({"error": {"message": f"decode instance {d.url} failed", "code": 502}}) + DONE)
+            rq.failed = True
+            await reply.write(sse({"error": {"message": json.loads(self._no_decode().body)["error"], "code": 502}})
+                              + DONE)
             reply.end()
             return
         cont = Continuation(presp, chat, emitted, f"decode {d.url}")
         split = SSESplitter(MAX_EVENT_BYTES)
+        err: Any = None
         try:
             await dresp.head()
             if dresp.status != 200:
+                rq.failed = True
                 raw = await dresp.read(1 << 20)
                 log.error("decode %s answered %d: %s", d.url, dresp.status, raw[:500].decode(errors="replace"))
-                try:
+                with contextlib.suppress(ValueError):
                     err = json.loads(raw)
-                except ValueError:
-                    err = None
                 if not (isinstance(err, dict) and "error" in err):
                     err = {"error": {"message": raw[:2000].decode(errors="replace"), "code": dresp.status}}
                 await reply.write(sse(err) + DONE)
                 reply.end()
                 return
+            d.answered()
             seen = False
             async for chunk in dresp:
                 if not seen:
-                    trace.event("proxy.decode_first", xfer)
+                    trace.event("proxy.decode_first", rq.xfer)
                     seen = True
                 events = [x for e in split.feed(chunk) if (x := cont.event(e)) is not None]
                 if events:
@@ -637,9 +811,14 @@ class Proxy:
         except http11.ClientDisconnected:
             raise
         except (http11.HTTPError, EventTooLarge) as exc:
-            log.error("decode %s failed: %s", d.url, exc)
-            await reply.write(sse({"error": {"message": f"decode instance {d.url} failed: {exc}", "code": 502}})
-                              + DONE)
+            rq.failed = True
+            if isinstance(exc, http11.HTTPError):
+                answer = self._failed(d, exc)
+                message, code = json.loads(answer.body)["error"], answer.status
+            else:
+                log.error("decode %s failed: %s", d.url, exc)
+                message, code = f"decode instance {d.url} failed: {exc}", 502
+            await reply.write(sse({"error": {"message": message, "code": code}}) + DONE)
         reply.end()
 
 
@@ -659,9 +838,7 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return factory
 
 
-async def _serve(args: argparse.Namespace, uvloop: bool) -> None:
-    proxy = Proxy(args.prefill, args.decode, mode=args.mode, timeout=args.timeout, first_token=args.first_token,
-                  max_body_bytes=args.max_body_bytes)
+async def _serve(proxy: Proxy, args: argparse.Namespace, uvloop: bool) -> None:
     server = await proxy.serve(args.host, args.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -677,12 +854,17 @@ async def _serve(args: argparse.Namespace, uvloop: bool) -> None:
         await stop.wait()
     finally:
         log.info("kvtransport-proxy: stopping")
-        await server.aclose()
-        await proxy.close()
+        try:
+            async with asyncio.timeout(STOP_TIMEOUT_S):
+                await server.aclose()
+                await proxy.close()
+        except TimeoutError:
+            log.warning("kvtransport-proxy: not stopped cleanly within %g s; exiting anyway", STOP_TIMEOUT_S)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="kvtransport-proxy", description=(__doc__ or "").split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="kvtransport-proxy", description=(__doc__ or "").split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--prefill", nargs="+", required=True, help="prefill instance URLs (http://host:port)")
     ap.add_argument("--decode", nargs="+", required=True, help="decode instance URLs")
     ap.add_argument("--host", default="127.0.0.1")
@@ -694,20 +876,27 @@ def main(argv: list[str] | None = None) -> None:
                          "decode: the decode recomputes the last prompt token and samples the first token itself")
     ap.add_argument("--trace", metavar="DIR", default=None,
                     help=f"record per-request milestones under DIR (as {trace.ENV} does for the vLLM instances)")
-    ap.add_argument("--timeout", type=float, default=None,
-                    help="seconds to wait for an instance's answer and for each of its next bytes (default: no "
-                         f"bound, for long generations); connecting is always bounded ({CONNECT_TIMEOUT_S:g} s), "
-                         f"and so is the discovery of a prefill's side channel ({DISCOVERY_TIMEOUT_S:g} s)")
-    ap.add_argument("--max-body-bytes", type=int, default=http11.MAX_BODY_BYTES,
-                    help="largest request body accepted (413 beyond) and largest whole answer read from an "
-                         f"instance (default {http11.MAX_BODY_BYTES})")
+    ap.add_argument("--timeout", type=float, default=DECODE_TIMEOUT_S, help="seconds to wait for a decode's "
+                    "answer head (a non-streamed one's comes once it is whole) and each of its next bytes: 504 beyond")
+    ap.add_argument("--prefill-timeout", type=float, default=PREFILL_TIMEOUT_S, help="seconds to wait for a "
+                    "prefill leg's answer (one token, queueing included) and each of its next bytes: 504 beyond")
+    ap.add_argument("--max-body-bytes", type=int, default=REQUEST_BODY_BYTES, help="largest request body: 413 beyond")
+    ap.add_argument("--health-interval", type=float, default=HEALTH_INTERVAL_S,
+                    help="seconds between GET /health probes of every instance (0: none)")
+    ap.add_argument("--health-timeout", type=float, default=HEALTH_TIMEOUT_S, help="bound on one probe, seconds")
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
+    try:
+        proxy = Proxy(args.prefill, args.decode, mode=args.mode, timeout=args.timeout, first_token=args.first_token,
+                      max_body_bytes=args.max_body_bytes, prefill_timeout=args.prefill_timeout,
+                      health_interval=args.health_interval or None, health_timeout=args.health_timeout)
+    except ValueError as exc:
+        ap.error(str(exc))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     trace.configure(args.trace or os.environ.get(trace.ENV), "proxy")
     factory = _loop_factory()
     with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(_serve(args, factory is not None))
+        runner.run(_serve(proxy, args, factory is not None))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,12 @@ outbound links are not thread-safe). Connects do not: each destination is connec
 started as soon as the plan names the destination (bounded by ``connect_timeout``); meanwhile that
 destination's puts and signals wait in its own backlog (at most ``MAX_BACKLOG``), replayed in order once
 connected or failed if the connect fails, so an unreachable decode never delays the pushes to the others.
+
+What a peer can make this worker hold is capped: links (a socket each) per decode engine (``MAX_LINKS_PER_PEER``)
+and in all (``MAX_LINKS``: the least recently used idle link makes room for one a put needs), connect threads at
+once (``MAX_CONNECTS``: further links wait their turn), reconnect backoffs remembered (``MAX_BROKEN``), refused
+decode engines remembered (``MAX_REFUSED``). A decode engine whose geometry the worker refused (:mod:`.geometry`)
+gets nothing: each of its destinations fails at once with the reason (the scheduler tells that decode).
 """
 
 from __future__ import annotations
@@ -20,14 +26,17 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable
+from itertools import chain
 from typing import Any
 
 import kvtransport
 from kvtransport import KVTransportError, Peer
+from kvtransport.admission import RateLimitedLog
 
 from . import trace
+from .geometry import MAX_PEER_TP
 from .metadata import Bind, Push, SendFailure
 from .pushplan import PushPlanner, PutOp, SignalOp
 
@@ -38,6 +47,23 @@ EXPANDED = 1024
 """Planned pushes whose expansion (unit runs, one push per destination rank) is kept for the next layers."""
 MAX_BACKLOG = 65536
 """Puts and signals queued for one destination while it connects; more fail at once."""
+MAX_LINKS_PER_PEER = MAX_PEER_TP
+"""Links to one decode engine (connected or connecting): one per rank of it this worker sends to, and a decode has at
+most MAX_PEER_TP ranks. A hello listing 1,024 workers made this worker open 1,024 sockets and threads (issue 29)."""
+MAX_LINKS = 256
+"""Links to decode workers in all (connected or connecting; a socket each): 32 decode engines of TP 8, or 256
+like-for-like ones. Past it a put that needs a new link closes the least recently used idle one (no unreleased
+request put through it); a link an introduction asks for is not opened (its first put will open it)."""
+MAX_CONNECTS = 32
+"""Connect threads at once: each holds a socket and blocks up to ``connect_timeout`` on a decode that does not
+answer (two made-up engines started 2,048 in 3 s, again every reconnect backoff). Further links wait in order."""
+MAX_BROKEN = 4 * MAX_LINKS
+"""Reconnect backoffs remembered (expired ones go first, then the oldest)."""
+MAX_REFUSED = 1024
+"""Decode engines whose geometry was refused, remembered with why (the oldest is forgotten first, with its metadata:
+nothing can be put to it then)."""
+CAPPED = "capped: "
+"""How the reason of a link refused for a cap begins."""
 
 Link = tuple[str, int]
 """A destination worker: (decode engine id, its tp rank)."""
@@ -69,10 +95,14 @@ class Pusher:
         self.q: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
         self.lock = threading.Lock()
         self.peer_meta: dict[str, dict[int, bytes]] = {}
-        self.peers: dict[Link, Peer] = {}
-        # destinations being connected (on their own threads): their puts and signals, in order, replayed
-        # (or failed) when the connect ends
+        self.peers: OrderedDict[Link, Peer] = OrderedDict()  # least recently used first
+        # destinations being connected (on their own threads, or waiting for one): their puts and signals, in
+        # order, replayed (or failed) when the connect ends
         self.connecting: dict[Link, list[tuple[Push, Callable[[], None]]]] = {}
+        self._to_connect: deque[tuple[Link, bytes]] = deque()  # connecting, waiting for a connect thread
+        self._connect_threads: dict[Link, threading.Thread] = {}
+        self.refused: OrderedDict[str, str] = OrderedDict()  # decode engine -> why its geometry was refused
+        self._logs = RateLimitedLog(log)
         self.device: int | None = None
         if cuda:
             import torch
@@ -161,8 +191,9 @@ class Pusher:
             if self.releasing:
                 self._flush_releases()
             for b in self.planner.expire(now - self.lease):
-                log.warning("kvtransport: destination %s of transfer %s (decode engine %s) dropped: its prefill "
-                            "request did not reach this worker within %gs", b.seq, b.xfer, b.engine, self.lease)
+                self._logs.log(logging.WARNING, "expired", "kvtransport: destination %s of transfer %s (decode engine "
+                               "%s) dropped: its prefill request did not reach this worker within %gs", b.seq, b.xfer,
+                               b.engine, self.lease)
         except Exception:  # never let the pusher die
             log.exception("kvtransport pusher: housekeeping failed")
 
@@ -172,12 +203,8 @@ class Pusher:
 
     def _do(self, job: tuple[Any, ...]) -> None:
         kind = job[0]
-        if kind == "peers":
-            self.peer_geometry.update(job[3])
-            self.peer_meta.update(job[1])
-            for engine, ranks in job[2].items():  # the destination ranks we serve: connected at once
-                for rank in ranks:
-                    self._start_connect((engine, rank))
+        if kind == "peers":  # (metadata, ranks to connect, checked geometry, refused engines -> why)
+            self._peers(job[1], job[2], job[3], job[4] if len(job) > 4 else {})
         elif kind == "connected":
             self._connected(job[1], job[2])
         elif kind == "plan":  # the step's sources, destinations the scheduler learnt, cancels, given-up sources
@@ -203,6 +230,29 @@ class Pusher:
             self.releasing.append(job[1])
         # "hello" / "bye" of the destination channel: nothing to do
 
+    def _peers(self, metas: dict[str, dict[int, bytes]], ranks: dict[str, list[int]],
+               geometry: dict[str, dict[str, Any]], refused: dict[str, str]) -> None:
+        """Decode engines introduced (or refused): keep their metadata (the ranks we may ever connect: below
+        MAX_PEER_TP, or ours), geometry or refusal, and connect the ranks we serve at once, within the caps."""
+        for engine, meta in metas.items():
+            self.peer_meta[engine] = {r: m for r, m in meta.items() if r < MAX_PEER_TP or r == self.tp_rank}
+        for engine, geo in geometry.items():
+            self.peer_geometry[engine] = geo
+            self.refused.pop(engine, None)
+        for engine, why in refused.items():
+            self.peer_geometry.pop(engine, None)
+            self.refused[engine] = why
+            self.refused.move_to_end(engine)
+        while len(self.refused) > MAX_REFUSED:  # forgotten: with its metadata (no geometry would mean like-for-like)
+            self.peer_meta.pop(self.refused.popitem(last=False)[0], None)
+        for engine, rs in ranks.items():
+            if engine in self.refused:
+                continue
+            for rank in rs:
+                none = self._start_connect((engine, rank))
+                if none is not None and none.startswith(CAPPED):
+                    break
+
     def _expand(self, push: Push) -> list[Push]:
         """``self.expand`` of ``push``, once per push object (EXPANDED of them kept)."""
         hit = self._expanded.get(id(push))
@@ -220,9 +270,9 @@ class Pusher:
 
     def _bind(self, b: Bind, now: float) -> None:
         ops, what = self.planner.bind(b, now)
-        if what.startswith("refused"):
-            log.warning("kvtransport: destination %s of transfer %s from decode engine %s %s", b.seq, b.xfer, b.engine,
-                        what)
+        if what.startswith("refused"):  # a flooding decode must not flood the log: one line per interval
+            self._logs.log(logging.WARNING, "refused", "kvtransport: destination %s of transfer %s from decode engine "
+                           "%s %s", b.seq, b.xfer, b.engine, what)
         elif what in ("before", "during", "after"):
             trace.event("w.bind", b.xfer, seq=b.seq, phase=what)
         self._run_ops(ops)
@@ -243,6 +293,10 @@ class Pusher:
         """Carry out the planner's puts and signals (each planned push mapped onto what we put: unit runs, one
         push per destination rank for unlike decodes); a push that cannot be mapped fails (its decode is told)."""
         for op in ops:
+            refused = self.refused.get(op.push.engine)
+            if refused is not None:
+                self._refuse(op.push, refused)
+                continue
             try:
                 pushes = self._expand(op.push)
             except (kvtransport.LayoutError, KVTransportError, KeyError, ValueError) as exc:
@@ -278,20 +332,65 @@ class Pusher:
     def _link(self, p: Push) -> Link:
         return (p.engine, self.tp_rank if p.rank < 0 else p.rank)
 
-    def _start_connect(self, link: Link) -> bool:
-        """Start connecting ``link`` on a thread of its own unless connected, connecting or in its reconnect
-        backoff, or without metadata. Pusher thread; non-blocking. True while a connect is pending."""
+    def _start_connect(self, link: Link, *, evict: bool = False) -> str | None:
+        """Start connecting ``link`` unless connected, connecting, in its reconnect backoff, without metadata or
+        over a cap (MAX_LINKS_PER_PEER; MAX_LINKS, where ``evict`` — a put needs the link — may close the least
+        recently used idle link for it). The connect runs on a thread of its own once fewer than MAX_CONNECTS run.
+        Pusher thread; non-blocking. None while a connect is pending, else why none is (a cap: ``CAPPED`` first)."""
         if link in self.connecting:
-            return True
-        if link in self.peers or time.monotonic() < self.broken.get(link, (0.0, ""))[0]:
-            return False
+            return None
+        if link in self.peers:
+            return "connected"
+        until, why = self.broken.get(link, (0.0, ""))
+        if time.monotonic() < until:
+            return f"decode engine {link[0]} unreachable: {why}"
         meta = self.peer_meta.get(link[0], {}).get(link[1])
         if meta is None:
-            return False
+            return f"no kvtransport metadata for decode engine {link[0]} rank {link[1]}"
+        capped = self._over_cap(link[0], evict)
+        if capped is not None:
+            key = "MAX_LINKS_PER_PEER" if "MAX_LINKS_PER_PEER" in capped else "MAX_LINKS"  # not per engine: bounded
+            self._logs.log(logging.WARNING, key, "kvtransport: link to decode engine %s rank %d refused: %s", link[0],
+                           link[1], capped)
+            return capped
         self.connecting[link] = []
-        threading.Thread(target=self._connect, args=(link, meta), name=f"kvt-connect-{link[0][:16]}-{link[1]}",
-                         daemon=True).start()
-        return True
+        self._to_connect.append((link, meta))
+        self._connect_more()
+        return None
+
+    def _over_cap(self, engine: str, evict: bool) -> str | None:
+        """Why one more link to ``engine`` is over a cap (None: it is not). O(links)."""
+        if sum(1 for e, _ in chain(self.peers, self.connecting) if e == engine) >= MAX_LINKS_PER_PEER:
+            return (f"{CAPPED}decode engine {engine} has {MAX_LINKS_PER_PEER} links already (MAX_LINKS_PER_PEER: a "
+                    f"decode of more than {MAX_PEER_TP} ranks is not supported)")
+        if len(self.peers) + len(self.connecting) >= MAX_LINKS and not (evict and self._evict_idle()):
+            return (f"{CAPPED}this prefill worker holds {MAX_LINKS} links to decode workers, none idle (MAX_LINKS: "
+                    "serve fewer decode engines per prefill, or run them like-for-like, one link each)")
+        return None
+
+    def _evict_idle(self) -> bool:
+        """Close the least recently used link that no unreleased request put through. True if one was."""
+        busy: set[Link] = set().union(*self.touched.values()) if self.touched else set()
+        for link in self.peers:
+            if link not in busy:
+                peer = self.peers.pop(link)
+                try:
+                    self.cm.disconnect(peer)
+                except KVTransportError:
+                    pass
+                self._logs.log(logging.INFO, "evicted", "kvtransport: closed the idle link to decode engine %s rank "
+                               "%d (MAX_LINKS links held)", link[0], link[1])
+                return True
+        return False
+
+    def _connect_more(self) -> None:
+        """Start waiting connects while fewer than MAX_CONNECTS threads run. Pusher thread."""
+        while self._to_connect and len(self._connect_threads) < MAX_CONNECTS:
+            link, meta = self._to_connect.popleft()
+            t = threading.Thread(target=self._connect, args=(link, meta), name=f"kvt-connect-{link[0][:16]}-{link[1]}",
+                                 daemon=True)
+            self._connect_threads[link] = t
+            t.start()
 
     def _connect(self, link: Link, meta: bytes) -> None:
         """Connect thread: ``cm.connect``, the outcome handed to the pusher thread. A handshake the decode's worker
@@ -325,10 +424,14 @@ class Pusher:
         self.q.put(("connected", link, outcome))
 
     def _connected(self, link: Link, outcome: Peer | KVTransportError) -> None:
-        """Pusher thread: a connect ended; replay (or fail) the destination's backlog in order."""
+        """Pusher thread: a connect ended; replay (or fail) the destination's backlog in order, start the next."""
+        thread = self._connect_threads.pop(link, None)
+        if thread is not None:
+            thread.join(timeout=1.0)  # it ends right after handing us the outcome: MAX_CONNECTS holds exactly
+        self._connect_more()
         backlog = self.connecting.pop(link, [])
         if isinstance(outcome, KVTransportError):
-            self.broken[link] = (time.monotonic() + RECONNECT_BACKOFF, str(outcome))
+            self._backoff(link, str(outcome))
             for p, _ in backlog:
                 self._fail(p, outcome)
             return
@@ -338,31 +441,53 @@ class Pusher:
         for _, replay in backlog:
             replay()
 
+    def _backoff(self, link: Link, why: str) -> None:
+        """No new connect to ``link`` for RECONNECT_BACKOFF (at most MAX_BROKEN remembered)."""
+        now = time.monotonic()
+        self.broken.pop(link, None)
+        self.broken[link] = (now + RECONNECT_BACKOFF, why)
+        if len(self.broken) > MAX_BROKEN:
+            for old in [k for k, (until, _) in self.broken.items() if until <= now]:
+                del self.broken[old]
+            while len(self.broken) > MAX_BROKEN:
+                del self.broken[next(iter(self.broken))]
+
     def _peer(self, p: Push, replay: Callable[[], None]) -> Peer | None:
         """The link to ``p.engine``, or None when it is being connected: then ``replay`` waits in that
-        destination's backlog. Raises KVTransportError (unreachable in backoff, no metadata, backlog full)."""
+        destination's backlog. Raises KVTransportError (unreachable in backoff, no metadata, a cap, backlog full)."""
         link = self._link(p)
         peer = self.peers.get(link)
         if peer is not None:
+            self.peers.move_to_end(link)
             return peer
-        if self._start_connect(link):
-            backlog = self.connecting[link]
-            if len(backlog) >= MAX_BACKLOG:
-                raise KVTransportError(f"decode engine {p.engine}: {MAX_BACKLOG} puts wait for its connect")
-            backlog.append((p, replay))
-            return None
-        until, why = self.broken.get(link, (0.0, ""))
-        if time.monotonic() < until:
-            raise KVTransportError(f"decode engine {p.engine} unreachable: {why}")
-        raise KVTransportError(f"no kvtransport metadata for decode engine {p.engine} rank {link[1]}")
+        why = self._start_connect(link, evict=True)
+        if why is not None:
+            raise KVTransportError(why)
+        backlog = self.connecting[link]
+        if len(backlog) >= MAX_BACKLOG:
+            raise KVTransportError(f"decode engine {p.engine}: {MAX_BACKLOG} puts wait for its connect")
+        backlog.append((p, replay))
+        return None
+
+    def _refuse(self, p: Push, why: str) -> None:
+        """``p`` goes to a decode engine whose geometry was refused: fail its sequence once (logged already)."""
+        if p.seq in self.failed_seqs:
+            return
+        self._failed(p.seq, why)
+        with self.lock:
+            self.failures.append(SendFailure(p.base or p.seq, p.engine, why))
+
+    def _failed(self, seq: str, reason: str) -> None:
+        """Remember that ``seq`` failed (no more puts to it); at most 4,096 remembered."""
+        self.failed_seqs[seq] = reason
+        while len(self.failed_seqs) > 4096:
+            self.failed_seqs.pop(next(iter(self.failed_seqs)))
 
     def _fail(self, p: Push, exc: BaseException) -> None:
         if p.seq in self.failed_seqs:
             return
         reason = f"{type(exc).__name__}: {exc}"
-        self.failed_seqs[p.seq] = reason
-        while len(self.failed_seqs) > 4096:
-            self.failed_seqs.pop(next(iter(self.failed_seqs)))
+        self._failed(p.seq, reason)
         log.warning("kvtransport: push of %s to %s failed: %s", p.seq, p.engine, reason)
         with self.lock:
             self.failures.append(SendFailure(p.base or p.seq, p.engine, reason))

@@ -17,6 +17,12 @@ prompt's end, once the prompt is), so every block of every layer is written exac
 (other TP size, block size or head order) get exact token ranges, mapped by the worker (:mod:`kvtransport.reshard`).
 The sequence's signal follows once every layer of it was put. With several KV cache groups, pairs where either
 side holds vLLM's null block (a sliding window's skipped blocks) are left out.
+
+Destinations that come before their prefill request (*orphans*: a decode sends them straight to the workers) wait
+for a lease, within budgets per decode engine (destinations, destinations per transfer, block ids) and in all, shared
+max-min fairly between engines (see MAX_ORPHAN_BLOCKS); one dropped here is not lost: the scheduler hands the same
+destination to the workers with its plan once the prefill request is scheduled. A source's destinations are
+bounded per engine too (MAX_DSTS_PER_ENGINE).
 """
 
 from __future__ import annotations
@@ -29,9 +35,28 @@ from typing import Any
 from .metadata import NULL_BLOCK, Bind, Push, SourceStep
 
 MAX_PENDING = 4096
-"""Transfers whose destination came before the worker heard of their prefill request (held for a lease)."""
+"""Destinations one decode engine may hold whose prefill request the worker has not heard of yet (held for a lease):
+a decode's early destinations for the prompts queued at this prefill."""
 MAX_PENDING_PER_XFER = 64
-"""Destinations held for one such transfer (``n`` of a decode request)."""
+"""Early destinations one decode engine may hold for one transfer (``n`` of a decode request; more come with the
+scheduler's plan). Per engine, so that engines parking destinations on another's transfer id do not crowd that
+engine's own out."""
+MAX_DSTS_PER_ENGINE = 256
+"""Destinations one decode engine may bind to one source (the decode requests a transfer serves: ``kvt_fanout``, at
+most the scheduler's MAX_FANOUT, 256): each costs the source a push per layer range."""
+ORPHAN_ENTRY_COST = 16
+"""What an early destination costs besides its block ids, counted in block ids (one is ~36 bytes: a Python int in a
+tuple; a destination's own objects take ~600 bytes)."""
+MAX_ORPHAN_BLOCKS_PER_ENGINE = 1 << 19
+"""Block ids (ORPHAN_ENTRY_COST more per destination) one decode engine's early destinations may hold: ~18 MiB,
+e.g. 128 destinations of 64k-token prompts at 16-token blocks. Without it a decode parked +330 MiB here for 80 MiB
+sent (issue 29); a destination over it is refused (the scheduler's plan brings it again)."""
+MAX_ORPHAN_BLOCKS = 4 * MAX_ORPHAN_BLOCKS_PER_ENGINE
+"""Block ids all engines' early destinations may hold together (~72 MiB). When a destination would go past it, the
+engine holding the most gives up its oldest destinations for it, as long as it still holds more than the newcomer's
+engine then will (max-min fair: k flooding engine ids keep another engine's share at 1/(k+1) of this at worst, and
+never take from an engine holding less than they do). Before, four made-up engine ids filled every slot and a real
+decode's early destination was refused."""
 
 BEFORE, DURING, AFTER = "before", "during", "after"
 """When a destination bound, relative to its source's forward: before its first layer was computed, while the
@@ -72,6 +97,22 @@ class _Dst:
 
 
 @dataclass
+class _Orphans:
+    """One decode engine's early destinations, oldest first, and what they cost (see MAX_ORPHAN_BLOCKS)."""
+
+    held: OrderedDict[tuple[str, str], tuple[float, int]] = field(default_factory=OrderedDict)
+    """(xfer, seq) -> (since, cost)"""
+    cost: int = 0
+    per_xfer: dict[str, int] = field(default_factory=dict)
+    """xfer -> destinations held for it"""
+
+
+def orphan_cost(b: Bind) -> int:
+    """What early destination ``b`` costs (block ids of every KV cache group, plus ORPHAN_ENTRY_COST)."""
+    return ORPHAN_ENTRY_COST + len(b.blocks) + sum(len(g) for g in b.groups)
+
+
+@dataclass
 class _Source:
     step: SourceStep
     done: int = 0  # prompt tokens computed in every layer
@@ -100,8 +141,11 @@ class PushPlanner:
         self.sources: dict[str, _Source] = {}  # xfer -> source
         self.by_req: dict[str, str] = {}  # prefill request -> xfer
         self.active: list[_Source] = []  # sources of the step being computed
-        self.pending: OrderedDict[str, list[tuple[float, Bind]]] = OrderedDict()  # xfer -> early destinations
-        self.counts: dict[str, int] = {BEFORE: 0, DURING: 0, AFTER: 0, "refused": 0, "duplicate": 0}
+        # xfer -> (decode engine, seq) -> (since, early destination)
+        self.pending: OrderedDict[str, dict[tuple[str, str], tuple[float, Bind]]] = OrderedDict()
+        self._orphans: dict[str, _Orphans] = {}  # decode engine -> its early destinations
+        self.orphan_total = 0  # what every engine's early destinations cost together
+        self.counts: dict[str, int] = {BEFORE: 0, DURING: 0, AFTER: 0, "refused": 0, "duplicate": 0, "evicted": 0}
 
     # ------------------------------------------------------------------ events (pusher thread, in order)
     def step(self, steps: Iterable[SourceStep], now: float = 0.0) -> list[Op]:
@@ -121,7 +165,7 @@ class PushPlanner:
             src.running = (src.done, min(st.stop, st.prompt_len))
             src.step_layers = set()
             self.active.append(src)
-            for _, b in self.pending.pop(st.xfer, []):
+            for b in self._unhold_xfer(st.xfer):
                 ops += self.bind(b, now)[0]
         return ops
 
@@ -161,17 +205,7 @@ class PushPlanner:
         ``duplicate`` (bound already), ``pending`` (its source is not known here yet) or ``refused: why``."""
         src = self.sources.get(b.xfer)
         if src is None:
-            held = self.pending.get(b.xfer)
-            if held is None:
-                if len(self.pending) >= MAX_PENDING:
-                    return [], "refused: too many destinations wait for their prefill request"
-                held = self.pending[b.xfer] = []
-            if any(x.seq == b.seq for _, x in held):
-                return [], "duplicate"
-            if len(held) >= MAX_PENDING_PER_XFER:
-                return [], "refused: too many destinations for one transfer"
-            held.append((now, b))
-            return [], "pending"
+            return [], self._hold(b, now)
         old = src.dsts.get(b.seq)
         if old is not None:
             if old.bind.engine != b.engine:
@@ -179,6 +213,9 @@ class PushPlanner:
                 return [], f"refused: request {b.seq} of transfer {b.xfer} belongs to decode engine {old.bind.engine}"
             self.counts["duplicate"] += 1
             return [], "duplicate"
+        if sum(1 for d in src.dsts.values() if d.bind.engine == b.engine) >= MAX_DSTS_PER_ENGINE:
+            self.counts["refused"] += 1
+            return [], f"refused: decode engine {b.engine} has {MAX_DSTS_PER_ENGINE} destinations for this transfer"
         groups = len(src.step.groups)
         if len(b.groups) != groups - 1:
             self.counts["refused"] += 1
@@ -200,9 +237,8 @@ class PushPlanner:
         src = self.sources.get(xfer)
         if src is not None and seq in src.dsts:
             src.dsts[seq].cancelled = True
-        held = self.pending.get(xfer)
-        if held:
-            held[:] = [(t, b) for t, b in held if b.seq != seq]
+        for engine, s in [k for k in self.pending.get(xfer, {}) if k[1] == seq]:
+            self._unhold(engine, xfer, s)
 
     def forget(self, req_id: str) -> None:
         """The prefill request was released or failed: forget it (no more puts from its blocks)."""
@@ -211,18 +247,93 @@ class PushPlanner:
             src = self.sources.pop(xfer, None)
             if src is not None and src in self.active:
                 self.active.remove(src)
-        if xfer is not None:
-            self.pending.pop(xfer, None)
+            self._unhold_xfer(xfer)
 
     def expire(self, before: float) -> list[Bind]:
-        """Drop destinations that waited since before ``before`` for a prefill request that never came here."""
-        out: list[Bind] = []
-        for xfer in list(self.pending):
-            held = self.pending[xfer]
-            out += [b for t, b in held if t < before]
-            held[:] = [(t, b) for t, b in held if t >= before]
+        """Drop destinations that waited since before ``before`` for a prefill request that never came here (oldest
+        first per engine: O(expired + engines))."""
+        out: list[tuple[float, Bind]] = []
+        for engine, o in list(self._orphans.items()):
+            while o.held:
+                (xfer, seq), (since, _) = next(iter(o.held.items()))
+                if since >= before:
+                    break
+                out.append((since, self.pending[xfer][(engine, seq)][1]))
+                self._unhold(engine, xfer, seq)
+        return [b for _, b in sorted(out, key=lambda x: x[0])]
+
+    def orphan_usage(self, engine: str) -> int:
+        """What decode ``engine``'s early destinations cost now (block ids plus ORPHAN_ENTRY_COST each)."""
+        o = self._orphans.get(engine)
+        return o.cost if o is not None else 0
+
+    # ------------------------------------------------------------------ early destinations (orphans)
+    def _hold(self, b: Bind, now: float) -> str:
+        """Hold early destination ``b`` within the budgets (module docstring): ``pending``, ``duplicate`` or
+        ``refused: why``. O(1), plus O(engines) per engine that gives up destinations for it."""
+        key = (b.engine, b.seq)
+        if key in self.pending.get(b.xfer, {}):
+            return "duplicate"
+        o = self._orphans.get(b.engine) or _Orphans()
+        cost = orphan_cost(b)
+        if len(o.held) >= MAX_PENDING:
+            return "refused: too many destinations wait for their prefill request"
+        if o.per_xfer.get(b.xfer, 0) >= MAX_PENDING_PER_XFER:
+            return "refused: too many destinations for one transfer"
+        if o.cost + cost > MAX_ORPHAN_BLOCKS_PER_ENGINE:
+            return (f"refused: decode engine {b.engine} holds too many block ids in destinations whose prefill request "
+                    "has not arrived (MAX_ORPHAN_BLOCKS_PER_ENGINE)")
+        if not self._make_room(b.engine, o.cost + cost, cost):
+            return (f"refused: destinations whose prefill request has not arrived fill MAX_ORPHAN_BLOCKS, and decode "
+                    f"engine {b.engine} holds its share")
+        self._orphans[b.engine] = o
+        self.pending.setdefault(b.xfer, {})[key] = (now, b)
+        o.held[(b.xfer, b.seq)] = (now, cost)
+        o.cost += cost
+        o.per_xfer[b.xfer] = o.per_xfer.get(b.xfer, 0) + 1
+        self.orphan_total += cost
+        return "pending"
+
+    def _make_room(self, engine: str, after: int, cost: int) -> bool:
+        """Make room for ``cost`` more in all (MAX_ORPHAN_BLOCKS) for ``engine``, which will then hold ``after``:
+        the engine holding the most gives up its oldest destinations while it holds more than ``after``. False
+        when that is not enough (nothing dropped then beyond what was over the newcomer's share)."""
+        while self.orphan_total + cost > MAX_ORPHAN_BLOCKS:
+            top = max((e for e in self._orphans if e != engine), key=lambda e: self._orphans[e].cost, default=None)
+            if top is None or self._orphans[top].cost <= after:
+                return False
+            o = self._orphans[top]
+            while o.held and o.cost > after and self.orphan_total + cost > MAX_ORPHAN_BLOCKS:
+                xfer, seq = next(iter(o.held))
+                self._unhold(top, xfer, seq)
+                self.counts["evicted"] += 1
+        return True
+
+    def _unhold(self, engine: str, xfer: str, seq: str) -> None:
+        """Forget early destination ``seq`` of ``xfer`` from ``engine`` (and what it cost)."""
+        held = self.pending.get(xfer)
+        if held is not None:
+            held.pop((engine, seq), None)
             if not held:
                 del self.pending[xfer]
+        o = self._orphans.get(engine)
+        entry = o.held.pop((xfer, seq), None) if o is not None else None
+        if o is None or entry is None:
+            return
+        o.cost -= entry[1]
+        self.orphan_total -= entry[1]
+        left = o.per_xfer.pop(xfer) - 1
+        if left:
+            o.per_xfer[xfer] = left
+        if not o.held:
+            del self._orphans[engine]
+
+    def _unhold_xfer(self, xfer: str) -> list[Bind]:
+        """Take every early destination of ``xfer`` out of the budgets, in arrival order."""
+        held = self.pending.get(xfer, {})
+        out = [b for _, b in held.values()]
+        for engine, seq in list(held):
+            self._unhold(engine, xfer, seq)
         return out
 
     # ------------------------------------------------------------------ planning

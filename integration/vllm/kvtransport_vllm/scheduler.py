@@ -33,8 +33,17 @@ from typing import Any
 from . import trace
 from .bootstrap import BootstrapServer, query_answer
 from .config import ConnectorSettings
-from .consumer import PREFILL_LOST, Consumer, _FirstWait, _Recv, append_prompt_token
-from .metadata import NULL_BLOCK, SendFailure, StepPlan
+from .consumer import PREFILL_LOST, Consumer, _FirstWait, _Recv, append_prompt_token, new_blocks
+from .metadata import (
+    NO_PARAMS,
+    NULL_BLOCK,
+    FailureKind,
+    SendFailure,
+    StepPlan,
+    TransferParams,
+    TransferParamsError,
+    parse_transfer_params,
+)
 from .producer import (
     FINISHED_OK,
     MAX_ORPHANS,
@@ -65,18 +74,21 @@ scheduled at most this much later."""
 _PREFILL_EVENTS = ("msg", "bye")
 """Inbox events of the side-channel server for the prefill role (``hello`` is the common part's); the others
 come from the decode role's clients of prefill engines."""
+REFUSALS_LOGGED_PER_MINUTE = 20
+"""Requests refused for their ``kv_transfer_params`` logged per minute, one line each; beyond that one line a
+minute says how many more were refused (any client can send them, as fast as it likes)."""
+MAX_PARSED = 1 << 16
+"""Checked ``kv_transfer_params`` kept for live requests (dropped at ``request_finished``; a bound in case vLLM
+ever finishes a request without telling the connector)."""
 
 
-def transfer_params_kind(params: dict[str, Any] | None) -> str | None:
+def transfer_params_kind(params: object) -> str | None:
     """``"prefill"`` for a request whose KV goes to a remote decode, ``"decode"`` for one whose KV comes from a
-    remote prefill, else None."""
-    if not params:
+    remote prefill, else None (also for params :func:`.metadata.parse_transfer_params` refuses)."""
+    try:
+        return parse_transfer_params(params).role
+    except TransferParamsError:
         return None
-    if params.get("do_remote_decode"):
-        return "prefill"
-    if params.get("do_remote_prefill"):
-        return "decode"
-    return None
 
 
 class SchedulerSide:
@@ -108,6 +120,14 @@ class SchedulerSide:
                                          "first_tokens_sent": 0, "first_tokens_received": 0}
         self.block_pool: Any = None  # vLLM's block pool (bind_gpu_block_pool): usage decides eager admission
         self._gauges_sent: dict[str, int] = {}  # gauge values last reported in stats
+        # kv_transfer_params: checked once per request (request id -> (the dict, what it says)); requests whose
+        # params were refused (-> why), those of them whose failing "load" was claimed (-> its blocks, until the
+        # next plan fails it), and those already failed once (kv_load_failure_policy=recompute: not claimed again)
+        self._parsed: dict[str, tuple[object, TransferParams]] = {}
+        self.refused: dict[str, str] = {}
+        self._refused_claimed: dict[str, list[int]] = {}
+        self._refused_failed: set[str] = set()
+        self._refusal_log = [0.0, 0, 0]  # start of the minute, lines logged in it, refusals not logged
         self.prefill = Producer(self) if producer else None
         self.decode = Consumer(self) if consumer else None
         if self.prefill is not None:  # last: its threads call compat, answer_now and _sender_ids at once
@@ -214,23 +234,98 @@ class SchedulerSide:
             log.info("kvtransport: decode engine %s differs in %s: its KV is mapped (kvtransport.reshard)", engine,
                      ", ".join(why))
 
+    # ------------------------------------------------------------------ kv_transfer_params
+    def params(self, request: Any) -> TransferParams:
+        """``request``'s checked ``kv_transfer_params`` (what the roles read; never raises). Refused ones read
+        as none: the hooks below send such a request down the failure path before any role sees it."""
+        params = self._read(request)
+        return NO_PARAMS if params is None else params
+
+    def _read(self, request: Any) -> TransferParams | None:
+        """``request``'s checked ``kv_transfer_params``, or None when they are refused (the first time: recorded
+        and logged). They come from any API client: nothing in them may raise here, in vLLM's engine core."""
+        rid = request.request_id
+        if rid in self.refused:
+            return None
+        raw = request.kv_transfer_params
+        if raw is None:
+            return NO_PARAMS
+        hit = self._parsed.get(rid)
+        if hit is not None and hit[0] is raw:
+            return hit[1]
+        # vLLM's API server hands the params of a request that failed again, in a request aborted at once
+        # (abort_immediately), so that the connector frees what it holds for it: its refusal was logged already
+        quiet = getattr(request, "abort_immediately", False) is True
+        try:
+            params = parse_transfer_params(raw)
+        except TransferParamsError as exc:
+            self._refuse(rid, str(exc), quiet)
+            return None
+        except Exception as exc:  # a bug of ours; still only this request's problem
+            log.exception("kvtransport: reading the kv_transfer_params of request %s failed", rid)
+            self._refuse(rid, f"kv_transfer_params refused: unreadable ({type(exc).__name__})", quiet=True)
+            return None
+        self._parsed[rid] = (raw, params)
+        while len(self._parsed) > MAX_PARSED:
+            self._parsed.pop(next(iter(self._parsed)))
+        return params
+
+    def _refuse(self, rid: str, why: str, quiet: bool) -> None:
+        self.refused[rid] = why
+        if quiet:
+            return
+        now = time.monotonic()
+        window = self._refusal_log
+        if now - window[0] >= 60.0:
+            if window[2]:
+                log.warning("kvtransport: %d more request(s) refused for their kv_transfer_params in the last "
+                            "minute (not logged one by one)", window[2])
+            window[:] = [now, 0, 0]
+        if window[1] < REFUSALS_LOGGED_PER_MINUTE:
+            window[1] += 1
+            log.warning("kvtransport: request %s fails: %s", rid, why)
+        else:
+            window[2] += 1
+
+    def _claim_refused(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """A request whose ``kv_transfer_params`` were refused is admitted only to fail: the rest of its prompt is
+        claimed as remote KV, and the next plan has its workers report that load failed (vLLM's failure path: the
+        request finishes with an error, or with ``kv_load_failure_policy=recompute`` is computed here as if it
+        had no params). Claimed once; when nothing is left to claim (the whole prompt found in the local cache),
+        it is computed as if it had no params."""
+        count = request.num_prompt_tokens - num_computed_tokens
+        if request.request_id in self._refused_failed or count <= 0:
+            return 0, False
+        return count, True
+
+    def _forget(self, rid: str) -> None:
+        self._parsed.pop(rid, None)
+        self.refused.pop(rid, None)
+        self._refused_claimed.pop(rid, None)
+        self._refused_failed.discard(rid)
+
     # ------------------------------------------------------------------ vLLM hooks (both roles)
     def on_new_request(self, request: Any) -> None:
         """Register prefill requests early, so destinations that arrive before they are scheduled attach.
-        Decode: take a lease on the transfer at once (the prefill then knows who holds it)."""
-        kind = transfer_params_kind(request.kv_transfer_params)
-        if self.prefill is not None and kind == "prefill":
+        Decode: take a lease on the transfer at once (the prefill then knows who holds it). First reads (and
+        checks) the request's ``kv_transfer_params``."""
+        params = self._read(request)
+        if params is None:
+            return
+        if self.prefill is not None and params.role == "prefill":
             self.prefill.register_source(request)
-        elif self.decode is not None and kind == "decode":
+        elif self.decode is not None and params.role == "decode":
             self.decode.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Decode: claim the rest of the prompt for remote KV ``(n, True)`` once admitted (``Consumer._admit_now``),
         ``(None, False)`` until then. Prefill: ``(0, False)``, always at once: a prefill request never waits for
-        its destination (its workers bind it whenever it comes, :mod:`.pushplan`). Never changes a request; may
-        read the side channel's inbox (idempotent)."""
-        kind = transfer_params_kind(request.kv_transfer_params)
-        if kind == "decode" and self.decode is not None:
+        its destination (its workers bind it whenever it comes, :mod:`.pushplan`). Refused params: see
+        :meth:`_claim_refused`. Never changes a request; may read the side channel's inbox (idempotent)."""
+        params = self._read(request)
+        if params is None:
+            return self._claim_refused(request, num_computed_tokens)
+        if params.role == "decode" and self.decode is not None:
             return self.decode.get_num_new_matched_tokens(request, num_computed_tokens)
         return 0, False
 
@@ -239,25 +334,37 @@ class SchedulerSide:
         self.block_pool = block_pool
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        """Decode: record the allocated destination blocks and queue them for the prefill side."""
-        kind = transfer_params_kind(request.kv_transfer_params)
-        if kind == "prefill" and self.prefill is not None:
+        """Decode: record the allocated destination blocks and queue them for the prefill side. Refused params:
+        the blocks of the load that the next plan fails."""
+        params = self._read(request)
+        if params is None:
+            rid = request.request_id
+            if num_external_tokens > 0 and rid not in self._refused_failed:
+                self._refused_failed.add(rid)
+                self._refused_claimed[rid] = new_blocks(blocks)[1]
+        elif params.role == "prefill" and self.prefill is not None:
             self.prefill.register_source(request)
-        elif kind == "decode" and self.decode is not None:
+        elif params.role == "decode" and self.decode is not None:
             self.decode.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def request_finished(self, request: Any, block_ids: list[int] | tuple[list[int], ...],
                          ) -> tuple[bool, dict[str, Any] | None]:
         """Prefill: keep the blocks (True) until the workers pushed them; returns NIXL-compatible
-        ``kv_transfer_params`` for the decode side. Decode: cancel an outstanding transfer."""
-        kind = transfer_params_kind(request.kv_transfer_params)
-        if kind == "decode":
-            if self.decode is not None:
-                self.decode.request_finished(request)
-            return False, None
-        if kind != "prefill" or self.prefill is None:
-            return False, None
-        return self.prefill.request_finished(request, block_ids)
+        ``kv_transfer_params`` for the decode side. Decode: cancel an outstanding transfer. Refused params:
+        nothing to do but forget them."""
+        params = self._read(request)
+        try:
+            if params is None:
+                return False, None
+            if params.role == "decode":
+                if self.decode is not None:
+                    self.decode.request_finished(request)
+                return False, None
+            if params.role != "prefill" or self.prefill is None:
+                return False, None
+            return self.prefill.request_finished(request, block_ids)
+        finally:
+            self._forget(request.request_id)
 
     def update_connector_output(self, failures: list[SendFailure], finished_recving: set[str] | None) -> None:
         """Workers' report of the last step: send failures go to their decode engine; landed receives end.
@@ -296,6 +403,12 @@ class SchedulerSide:
             self._new_peers.clear()
         if self.decode is not None:
             self.decode.plan_step(plan, now)
+        for rid, blocks in self._refused_claimed.items():  # their workers report the load failed at once
+            plan.recv_start[rid] = self.settings.transfer_timeout
+            plan.recv_blocks[rid] = blocks
+            plan.recv_fail[rid] = self.refused.get(rid, "kv_transfer_params refused")
+            plan.recv_fail_kind[rid] = FailureKind.INVALID_PARAMS
+        self._refused_claimed.clear()
         return plan
 
     def _awaits_side_channel(self) -> bool:

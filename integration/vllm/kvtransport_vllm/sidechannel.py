@@ -51,11 +51,14 @@ from .protocol import (
     check_worker_at,
     describe_mismatch,
     encode_message,
+    is_sealed,
     new_nonce,
     parse_message,
     parse_nonce,
+    recv_frame,
     recv_message,
     seal,
+    send_frame,
     send_message,
     unseal,
 )
@@ -74,7 +77,9 @@ MAX_INBOX = 65536
 """Events waiting for the scheduler; a peer's reader waits (up to the connection timeout) while that many wait,
 then the connection is dropped (a peer that floods)."""
 RECONNECT_PROBE_S = 1.0
-"""How long a hello under an engine id that is still connected waits for the old connection to prove dead."""
+"""How long a hello under an engine id that is still connected waits for the old connection's answer to a
+ping: answered, the newcomer is refused (the id is taken); not answered, the old connection is closed and the
+newcomer takes the id (a restarted instance gets in within this long)."""
 _LENGTH = struct.Struct("!I")
 
 class _Conn:
@@ -95,6 +100,7 @@ class _Conn:
         self._backlog: deque[bytes] = deque()
         self._queued = 0
         self._writing = False  # the writer thread holds a frame: a direct send now would overtake it
+        self.pong = ""  # the token of the last pong received (server side; see SideChannelServer._old_conn_gone)
         self._writer = threading.Thread(target=self._write_loop, name=f"kvt-sc-w-{label}", daemon=True)
         self._writer.start()
 
@@ -240,10 +246,9 @@ class SideChannelServer:
         try:
             if pending.leftover:
                 raise AuthFailure("sent more than its hello before the welcome")
-            frame = parse_message(pending.payload)
-            if frame.get("type") != "hello":
-                raise AuthFailure(f"expected hello, got {str(frame.get('type'))[:32]!r}")
-            hello = unseal(frame, self._secret, pending.nonce)
+            hello = unseal(pending.payload, self._secret, pending.nonce)  # the HMAC first, on the raw bytes
+            if hello.get("type") != "hello":
+                raise AuthFailure(f"expected hello, got {str(hello.get('type'))[:32]!r}")
         except (AuthFailure, MalformedMessage) as exc:  # a stranger: told nothing but that it was refused
             self.refused += 1
             self._logs.log(logging.WARNING, "unauthenticated", "refusing a side-channel peer from %s: "
@@ -270,7 +275,8 @@ class SideChannelServer:
                 retry: bool = False) -> None:
         """Tell the peer it is refused; ``retry``: what refused it may pass (the peer may try again)."""
         self.refused += 1
-        log.error("refusing decode engine %s from %s: %s", str(engine)[:64], label, reason)
+        self._logs.log(logging.ERROR, "refused", "refusing decode engine %s from %s: %s", str(engine)[:64], label,
+                       reason)
         send_message(sock, {"type": "refuse", "version": PROTOCOL_VERSION, "reason": told, "retry": retry})
 
     def _handshake(self, sock: socket.socket, label: str, hello: dict[str, Any]) -> dict[str, Any] | None:
@@ -301,7 +307,7 @@ class SideChannelServer:
             welcome.update(compat=ours, compat_info=info, lease=self.lease,
                            senders=self._senders() if self._senders else {},
                            worker_at=self._worker_at() if self._worker_at else {})
-        send_message(sock, seal(welcome, self._secret, checked.pop("nonce")))
+        send_frame(sock, seal(welcome, self._secret, checked.pop("nonce")))
         return checked
 
     def _serve(self, sock: socket.socket, label: str, authenticated: dict[str, Any]) -> None:
@@ -331,6 +337,9 @@ class SideChannelServer:
                     self.dropped += 1
                     log.warning("side channel from %s (engine %s): dropped a message: %s", label, engine, exc)
                     continue
+                if msg["type"] == "pong":
+                    conn.pong = msg["token"]
+                    continue
                 reply = self._answer_now(engine, msg) if self._answer_now is not None else None
                 if reply is not None:
                     conn.send(reply)
@@ -356,23 +365,30 @@ class SideChannelServer:
                 pass
 
     def _old_conn_gone(self, engine: str) -> bool:
-        """Whether no live connection of decode ``engine`` remains. A decode that reconnects (its old connection
-        broke without our noticing) gets in; a second peer claiming a live engine's id does not. The old
-        connection is probed (a ``ping``, which a live decode ignores; a peer that closed it answers with a
-        reset, ending its reader) and given RECONNECT_PROBE_S to go. Handshake thread; bounded."""
+        """Whether no live connection of decode ``engine`` remains, so a newcomer may take the id. The
+        connection holding it is pinged with a fresh token: a peer that answers with a ``pong`` carrying it
+        within RECONNECT_PROBE_S is alive and keeps the id (the newcomer is refused); one that does not (gone,
+        hung, or an impostor that took the id and does not play along) is closed and loses it. Handshake thread;
+        bounded by RECONNECT_PROBE_S."""
         with self._lock:
             old = self._conns.get(engine)
         if old is None or old.closed.is_set():
             return True
-        old.send({"type": "ping"})
+        token = new_nonce().hex()
+        old.send({"type": "ping", "token": token})
         deadline = time.monotonic() + min(RECONNECT_PROBE_S, self._timeout)
         while time.monotonic() < deadline:
             with self._lock:
                 current = self._conns.get(engine)
             if current is not old or old.closed.is_set():
                 return True
-            time.sleep(0.02)
-        return False
+            if old.pong == token:
+                return False
+            time.sleep(0.01)
+        log.warning("decode engine %s did not answer a ping within %.1f s: its connection is closed and the id "
+                    "goes to the newcomer", str(engine)[:64], RECONNECT_PROBE_S)
+        old.close()
+        return True
 
     def close(self) -> None:
         self._closed = True
@@ -510,8 +526,12 @@ class PeerClient:
             conn.send(m)
         try:
             while True:
-                if self.worker:  # a worker's channel sends nothing we act on (a ping at most): read and drop
-                    recv_message(sock, MAX_HELLO)
+                if self.worker:  # a worker's channel sends nothing we act on but a ping: answered, the rest dropped
+                    try:
+                        ping = recv_message(sock, MAX_HELLO)
+                    except MalformedMessage:
+                        continue
+                    self._pong(conn, ping)
                     continue
                 try:
                     msg = recv_message(sock)
@@ -522,7 +542,9 @@ class PeerClient:
                     log.warning("side channel to prefill %s: dropped a message: %s", self.label, exc)
                     continue
                 mtype = msg.get("type")
-                if mtype == "fail":
+                if mtype == "ping":
+                    self._pong(conn, msg)
+                elif mtype == "fail":
                     for seq in seqs:
                         _deliver(self._inbox, ("fail", str(seq)[:MAX_ID_CHARS],
                                                str(msg.get("reason", "prefill failed"))[:2000]), self._timeout)
@@ -543,6 +565,13 @@ class PeerClient:
             if not closed and not self.worker:  # the prefill went away (not our close()): its transfers cannot complete
                 self._inbox.put(("lost", (self.host, self.port), reason))
 
+    @staticmethod
+    def _pong(conn: _Conn, msg: dict[str, Any]) -> None:
+        """Answer a prefill's ping (it proves this connection still holds our engine id there)."""
+        token = msg.get("token")
+        if msg.get("type") == "ping" and isinstance(token, str) and len(token) <= 128:
+            conn.send({"type": "pong", "token": token})
+
     def _connect_once(self, deadline: float) -> socket.socket:
         """One connect and handshake, bounded by ``deadline``: the connected socket (welcome checked). Raises
         _Retry for what a later attempt may fix (unreachable, reset, closed or timed out before the welcome, a
@@ -561,9 +590,10 @@ class PeerClient:
                                       f"{str(challenge.get('version'))[:16]}, ours {PROTOCOL_VERSION}) from "
                                       f"{self.label}: run the same kvtransport-vllm version on both sides")
             ours_nonce = new_nonce()
-            send_message(sock, seal({**self._hello(), "nonce": ours_nonce.hex()}, self._secret,
-                                    parse_nonce(challenge.get("nonce"))))
-            frame = recv_message(sock, MAX_HELLO)
+            send_frame(sock, seal({**self._hello(), "nonce": ours_nonce.hex()}, self._secret,
+                                  parse_nonce(challenge.get("nonce"))))
+            payload = recv_frame(sock, MAX_HELLO)
+            frame = {"type": "welcome"} if is_sealed(payload) else parse_message(payload)
             if frame.get("type") == "refuse":
                 reason = f"prefill {self.label} refused us: {str(frame.get('reason'))[:2000]}"
                 if frame.get("retry") is True:
@@ -572,10 +602,12 @@ class PeerClient:
             if frame.get("type") != "welcome":
                 raise ProtocolFailure(f"unexpected handshake reply {str(frame.get('type'))[:32]!r} from {self.label}")
             try:
-                reply = unseal(frame, self._secret, ours_nonce)
+                reply = unseal(payload, self._secret, ours_nonce)
             except AuthFailure:
                 raise ProtocolFailure(f"prefill {self.label} did not prove KV_TRANSPORT_SECRET (set the same "
                                       "secret on both sides)") from None
+            if reply.get("type") != "welcome":
+                raise ProtocolFailure(f"unexpected sealed reply {str(reply.get('type'))[:32]!r} from {self.label}")
             if reply.get("version") != PROTOCOL_VERSION:
                 raise ProtocolFailure(f"prefill {self.label} speaks side-channel protocol "
                                       f"{str(reply.get('version'))[:16]}, ours {PROTOCOL_VERSION}")

@@ -12,6 +12,12 @@ Pushes for unlike peers are expanded into one push per destination rank this wor
 
 Decode role: waits are never blocking: ``get_transfer_results`` polls the manager, reports landed sequences
 as ``finished_recving`` and failed or timed-out ones as ``failed_recving`` too (vLLM's failure path).
+
+A peer's data never raises here (``bind`` runs inside vLLM's model step): every peer-supplied geometry is checked
+where it enters (:mod:`.geometry`: a decode's TP size, block size and head order against our model and a bound on
+the work of mapping it; a prefill's ``senders`` against our model), and a peer that fails the check fails its own
+requests, through the failure path: a refused decode's destinations become send failures (the scheduler tells that
+decode), a request bound to malformed senders is reported failed.
 """
 
 from __future__ import annotations
@@ -26,13 +32,23 @@ from typing import Any
 
 import kvtransport
 from kvtransport import KVLayout, KVTransportError, LayoutError
+from kvtransport.admission import RateLimitedLog
 from kvtransport.coalesce import BlockRun, coalesce
 from kvtransport.reshard import Shard, reshard_runs, senders_to
 
 from . import trace
 from .compat import block_dim
 from .config import ConnectorSettings
-from .geometry import Geometry, base_seq, describe, part_seq, unit_layout
+from .geometry import (
+    Geometry,
+    base_seq,
+    check_peer_geometry,
+    check_senders,
+    describe,
+    part_seq,
+    served_ranks,
+    unit_layout,
+)
 from .metadata import NULL_BLOCK, FailureKind, Push, SendFailure, StepPlan
 from .pusher import Pusher
 from .sidechannel import SideChannelServer
@@ -65,7 +81,9 @@ class WorkerSide:
         self.layer_groups = dict(layer_groups or {})  # layer name -> KV cache group (hybrid models)
         self.geometry: Geometry | None = None  # None: block layout (like-for-like peers only)
         self.shard: Shard | None = None
-        self.peer_geometry: dict[str, dict[str, Any]] = {}
+        self.peer_geometry: dict[str, dict[str, Any]] = {}  # decode engine -> its checked geometry
+        self._serve: dict[str, list[int]] = {}  # decode engine -> the ranks of it we send to
+        self._logs = RateLimitedLog(log)
         self._parts: dict[str, dict[str, str]] = {}  # decode req -> its parts' sequence ids -> their sender
         self._landed: dict[str, set[str]] = {}  # decode req -> its parts landed so far
         trace.set_role(f"worker{tp_rank}")
@@ -156,11 +174,11 @@ class WorkerSide:
         self._layers_done = set()
         self._step_sources = bool(plan.sources)
         self._step_layerwise = any(src.layerwise for src in plan.sources)
-        self.peer_geometry.update(plan.peer_geometry)
+        refused = {e: why for e, raw in plan.peer_geometry.items() if (why := self._take_geometry(e, raw))}
         if self.pusher is not None:
-            if plan.peers:  # with their geometry: a destination straight from one of them may follow at once
-                self.pusher.submit("peers", plan.peers, {e: self._dst_ranks(e) for e in plan.peers},
-                                   dict(plan.peer_geometry))
+            if plan.peers or refused:  # with their geometry: a destination straight from one of them may follow
+                self.pusher.submit("peers", plan.peers, {e: self._dst_ranks(e) for e in plan.peers if e not in refused},
+                                   {e: self.peer_geometry[e] for e in plan.peer_geometry if e not in refused}, refused)
             if plan.sources or plan.binds or plan.cancels or plan.dropped:
                 self.pusher.submit("plan", plan.sources, plan.binds, plan.cancels, plan.dropped)
             # Releases name requests that finished in an earlier step (their puts and signals are queued
@@ -215,15 +233,24 @@ class WorkerSide:
         """Bind decode request ``rid`` to the prefill workers that will push it (``senders``: the prefill's tp
         rank -> kvtransport instance id, every rank): this rank expects one part per prefill rank that holds
         some of its heads (:func:`kvtransport.reshard.senders_to`), and the core refuses any other peer's puts,
-        signals and cancels for a part, and fails it at once if its worker goes away. Under ``_lock``;
-        non-blocking."""
-        if self.cm is None or rid not in self._waiting:
+        signals and cancels for a part, and fails it at once if its worker goes away. Senders that do not fit
+        (:func:`.geometry.check_senders`) fail ``rid`` (reported failed once fenced). Under ``_lock``;
+        non-blocking; never raises on the prefill's data."""
+        if self.cm is None or rid not in self._waiting or not senders:
             return
-        if self.shard is not None and senders:
-            ranks = senders_to(len(senders), self.shard)
-            parts = {part_seq(rid, r, len(ranks)): senders[r] for r in ranks if r in senders}
-        else:
-            parts = {rid: senders[self.tp_rank]} if self.tp_rank in senders else {}
+        try:
+            check_senders(senders, self.shard.num_kv_heads if self.shard is not None else None)
+            if self.shard is not None:
+                ranks = senders_to(len(senders), self.shard)
+                parts = {part_seq(rid, r, len(ranks)): senders[r] for r in ranks}
+            else:
+                parts = {rid: senders[self.tp_rank]} if self.tp_rank in senders else {}
+        except LayoutError as exc:
+            self._logs.log(logging.WARNING, "senders", "kvtransport: %s fails: its prefill's workers do not fit this "
+                           "decode (%s); run the prefill at a TP size that splits the model's KV heads", rid, exc)
+            del self._waiting[rid]
+            self._fence(rid, failed=True)
+            return
         if not parts:
             return
         self._parts[rid] = parts
@@ -234,14 +261,30 @@ class WorkerSide:
                 log.warning("kvtransport: cannot bind %s to its prefill worker %s: %s", seq, sender, exc)
         self._maybe_finish(rid, time.monotonic())
 
+    def _take_geometry(self, engine: str, raw: Any) -> str | None:
+        """Check decode ``engine``'s geometry where it enters (the plan, inside the model step): keep it, with the
+        ranks of it we send to, or forget it and return why it is refused (logged, rate-limited). Never raises;
+        O(MAX_PEER_TP)."""
+        try:
+            geo = check_peer_geometry(raw)
+            ranks = served_ranks(self.shard, geo) if self.shard is not None and self._unlike(geo) else [self.tp_rank]
+        except LayoutError as exc:
+            self.peer_geometry.pop(engine, None)
+            self._serve.pop(engine, None)
+            why = f"decode engine {engine} is refused: {exc}"
+            self._logs.log(logging.ERROR, "geometry", "kvtransport: %s", why)
+            return why
+        self.peer_geometry[engine] = geo
+        self._serve[engine] = ranks
+        return None
+
     def _dst_ranks(self, engine: str) -> list[int]:
-        """The ranks of decode ``engine`` this worker sends to (unlike peers: those it holds heads for)."""
-        geo = self.peer_geometry.get(engine)
-        if geo is None or self.shard is None or not self._unlike(geo):
-            return [self.tp_rank]
-        return [d for d in range(int(geo["tp_size"])) if self.tp_rank in senders_to(self.tp_size, self._peer_shard(geo, d))]
+        """The ranks of decode ``engine`` this worker sends to (unlike peers: those it holds heads for; checked when
+        its geometry came, :meth:`_take_geometry`)."""
+        return self._serve.get(engine, [self.tp_rank])
 
     def _unlike(self, geo: dict[str, Any]) -> bool:
+        """Whether a (checked) decode geometry differs from ours."""
         assert self.geometry is not None
         return (int(geo["tp_size"]) != self.tp_size or int(geo["block_size"]) != self.geometry.block_size
                 or geo.get("kv_order") != self.geometry.order)

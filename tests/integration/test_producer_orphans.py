@@ -1,0 +1,253 @@
+"""Issue 29, "Orphans without a byte budget": destinations a decode sends before their prefill request exists
+(orphans) wait on the prefill's scheduler side (producer.py). They were appended without a cap (+330 MiB held for
+80 MiB sent), and four made-up engine ids filled MAX_ORPHANS (a count of 4,096), after which a real decode's early
+destination was refused. Now they are held within the worker planner's budgets (pushplan: MAX_PENDING per engine,
+MAX_ORPHAN_BLOCKS_PER_ENGINE block ids plus ORPHAN_ENTRY_COST per entry, 4x that in all, shared max-min fairly), and
+one refused or given up is refused back to its decode ("fail") and dropped by the workers (a plan cancel).
+
+Each test here failed on the committed producer.py (they use only what both versions have: ``orphans``, the fail
+messages sent, the plans)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+import tracemalloc
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (integration/vllm/ci_setup.sh builds its venv)")
+pytest.importorskip("kvtransport_vllm", reason="kvtransport-vllm is not installed")
+
+from kvtransport_vllm import protocol as proto
+from kvtransport_vllm import pushplan
+from kvtransport_vllm.config import resolve_settings
+from kvtransport_vllm.metadata import StepPlan
+from kvtransport_vllm.scheduler import SchedulerSide
+from vllm.v1.request import RequestStatus
+
+from .vllm_helpers import (
+    empty_output,
+    make_config,
+    make_request,
+    make_scheduler,
+    plan_of,
+    wait_until,
+)
+
+COMPAT_INFO = {"model": "tiny-orphan-model", "block_size": 16}
+PER_ENGINE = pushplan.MAX_ORPHAN_BLOCKS_PER_ENGINE
+ENTRY = pushplan.ORPHAN_ENTRY_COST
+BIG = 65536  # block ids of one destination in the issue's attack (a 1M-token prompt at 16-token blocks)
+BYTES_PER_ID = 36  # a held block id: a distinct Python int (28 bytes) and its list slot (8)
+
+
+@pytest.fixture
+def side():
+    """A prefill's scheduler side; what it sends to decodes is recorded in ``side.sent`` (no decode connects)."""
+    s = SchedulerSide(settings=resolve_settings({}, env={}), engine_id="P", block_size=16, producer=True,
+                      consumer=False, compat_info=COMPAT_INFO)
+    s.sent = []  # type: ignore[attr-defined]
+    s.server.send = lambda engine, msg: s.sent.append((engine, msg)) or True  # type: ignore[union-attr,attr-defined]
+    yield s
+    s.shutdown()
+
+
+def dst(xfer: str, seq: str, blocks: list[int]) -> dict[str, Any]:
+    """A dst message as the side channel's reader hands it on (already checked)."""
+    return {"type": "dst", "xfer": xfer, "mode": "push", "dsts": [{"seq": seq, "blocks": blocks, "offset": 0}]}
+
+
+def fails(s: SchedulerSide, engine: str | None = None) -> list[str]:
+    return [seq for e, m in s.sent if m["type"] == "fail" and engine in (None, e) for seq in m["seqs"]]  # type: ignore[attr-defined]
+
+
+def held(s: SchedulerSide) -> dict[str, int]:
+    """Decode engine -> what its orphans cost (block ids plus ORPHAN_ENTRY_COST per destination)."""
+    out: dict[str, int] = {}
+    for _, dsts, _ in s.orphans.values():
+        for d in dsts:
+            out[d.engine] = out.get(d.engine, 0) + ENTRY + len(d.blocks) + sum(len(g) for g in d.extra)
+    return out
+
+
+def plan_cancels(s: SchedulerSide) -> list[tuple[str, str]]:
+    """The cancels the next plan hands the workers (no request scheduled)."""
+    so = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
+                         scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[]))
+    plan = StepPlan()
+    s.prefill.plan_step(so, plan, time.monotonic())  # type: ignore[union-attr]
+    return plan.cancels
+
+
+# ------------------------------------------------------------------ (a) one engine: capped in block ids, memory bounded
+def test_one_engines_100_big_destinations_are_capped_at_its_block_budget(side) -> None:
+    """The issue's attack as the side channel delivers it (real JSON, distinct ints): one engine sends 100
+    destinations of 65,536 block ids each for one transfer whose prefill request never came. 7 are held
+    (7 x (65,536 + 16) = 458,864 <= 524,288; an 8th would be 524,416), the other 93 are refused back to it; the
+    scheduler holds ~16 MiB, at most twice the budget's ~18 MiB (it held all 100: ~236 MiB)."""
+    assert PER_ENGINE == 1 << 19 and ENTRY == 16
+    blocks = json.dumps(list(range(1_000_000, 1_000_000 + BIG))).encode()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base, _ = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        now = time.monotonic()
+        for i in range(100):
+            raw = b'{"type": "dst", "xfer": "x", "mode": "push", "dsts": [{"seq": "s%d", "offset": 0, "blocks": ' % i
+            raw += blocks + b"}]}"
+            side._on_message("FLOOD", proto.check_message(json.loads(raw)), now)
+            del raw
+        gc.collect()
+        cur, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    (got,) = side.orphans.values()
+    assert [d.seq for d in got[1]] == [f"s{i}" for i in range(7)]
+    assert sum(len(d.blocks) for d in got[1]) == 7 * BIG == 458_752
+    assert held(side) == {"FLOOD": 7 * (BIG + ENTRY)} and 7 * (BIG + ENTRY) <= PER_ENGINE < 8 * (BIG + ENTRY)
+    assert fails(side, "FLOOD") == [f"s{i}" for i in range(7, 100)]
+    budget_bytes = PER_ENGINE * BYTES_PER_ID
+    assert cur - base <= 2 * budget_bytes, f"held {(cur - base) / 2**20:.1f} MiB"
+    assert peak - base <= 2 * budget_bytes, f"peak {(peak - base) / 2**20:.1f} MiB"
+    # what is left of its budget (524,288 - 458,864 = 65,424) takes one destination of 65,408 blocks exactly
+    side._on_message("FLOOD", dst("y", "fits", list(range(65_408))), now)
+    side._on_message("FLOOD", dst("y", "over", [1]), now)
+    assert held(side) == {"FLOOD": PER_ENGINE}
+    assert fails(side, "FLOOD")[-1] == "over" and "fits" not in fails(side)
+    # the workers drop their early copies of what was refused (the decode sent them there too)
+    assert sorted(plan_cancels(side)) == sorted([("x", f"s{i}") for i in range(7, 100)] + [("y", "over")])
+
+
+def test_one_engine_is_capped_per_transfer_and_in_entries(side) -> None:
+    """Small destinations: per engine at most MAX_PENDING (4,096) entries, per engine and transfer at most
+    MAX_FANOUT (256, what a transfer can serve); cancel counts for transfers nobody registered cost an entry too
+    (they were unbounded)."""
+    now = time.monotonic()
+    for j in range(300):
+        side._on_message("A", dst("one", f"s{j}", [7]), now)
+    assert len(side.orphans["one"][1]) == 256 and fails(side, "A") == [f"s{j}" for j in range(256, 300)]
+    # another engine's destinations for the same transfer are its own (not crowded out by A's)
+    side._on_message("B", dst("one", "b0", [8]), now)
+    assert [d.seq for d in side.orphans["one"][1] if d.engine == "B"] == ["b0"] and not fails(side, "B")
+    for i in range(4096):
+        side._on_message("A", dst(f"t{i}", "s", [7]), now)
+    assert sum(len(dsts) for _, dsts, _ in side.orphans.values()) == 4096 + 1  # A's 4,096, B's one
+    for i in range(5000):  # count-cancels for transfers nobody registered: A holds no more entries than before
+        side._on_message("A", {"type": "cancel", "xfer": f"c{i}", "mode": "push", "seqs": [], "count": 1}, now)
+    assert not any(x.startswith("c") for x in side.orphans)
+    side._on_message("C", {"type": "cancel", "xfer": "c0", "mode": "push", "seqs": [], "count": 1}, now)
+    assert side.orphans["c0"][2] == 1  # another engine's cancel still counts
+
+
+# ------------------------------------------------------------------ (c) no lock-out by count; fair give-way
+def test_the_old_count_refusal_no_longer_locks_a_newcomer_out(side) -> None:
+    """Four made-up engine ids with 1,024 small orphans each filled MAX_ORPHANS (4,096): every later early
+    destination was refused. Now a newcomer is held, and when eight engines fill the block budget in all
+    (MAX_ORPHAN_BLOCKS), the engine holding the most gives up its oldest for it; an engine holding less than a
+    flooder loses nothing to it."""
+    now = time.monotonic()
+    for i in range(4):
+        for j in range(1024):
+            side._on_message(f"FAKE{i}", dst(f"a{i}-{j}", "s", [1]), now)
+    assert not fails(side)
+    side._on_message("NEW", dst("new-x", "n1", [5, 6]), now)
+    assert [(d.engine, d.seq) for d in side.orphans["new-x"][1]] == [("NEW", "n1")] and not fails(side, "NEW")
+    side._on_message("SMALL", dst("small-x", "m1", list(range(100))), now)
+    big = list(range(1, BIG + 1))  # shared: the budgets count ids, the test need not hold 4M ints
+    for i in range(8):
+        for j in range(8):
+            side._on_message(f"BIG{i}", dst(f"b{i}-{j}", "s", big), now)
+    usage = held(side)
+    assert sum(usage.values()) <= pushplan.MAX_ORPHAN_BLOCKS == 4 * PER_ENGINE
+    assert max(usage.values()) <= PER_ENGINE
+    assert usage["NEW"] == ENTRY + 2 and usage["SMALL"] == ENTRY + 100  # never given up for a bigger flooder
+    assert all(usage[f"FAKE{i}"] == 1024 * (ENTRY + 1) for i in range(4))
+    bigs = {f"BIG{i}": usage.get(f"BIG{i}", 0) for i in range(8)}
+    assert max(bigs.values()) - min(bigs.values()) <= 2 * (BIG + ENTRY)  # they balance among themselves
+    # a later newcomer with a destination bigger than what is left in all still gets in: an engine holding the
+    # most (4 of them) gives up its oldest, refused back to it; nobody holding less than the newcomer loses any
+    assert pushplan.MAX_ORPHAN_BLOCKS - sum(usage.values()) < BIG + ENTRY
+    before = len(side.sent)  # type: ignore[attr-defined]
+    side._on_message("LATE", dst("late-x", "l1", big), now)
+    assert [d.seq for d in side.orphans["late-x"][1]] == ["l1"] and "l1" not in fails(side)
+    given_up = [(e, m["seqs"]) for e, m in side.sent[before:] if m["type"] == "fail"]  # type: ignore[attr-defined]
+    assert given_up and all(e in bigs and usage[e] > BIG + ENTRY for e, _ in given_up), given_up
+    after = held(side)
+    assert all(after[e] == usage[e] for e in usage if usage[e] <= BIG + ENTRY)
+    assert sum(after.values()) <= pushplan.MAX_ORPHAN_BLOCKS
+
+
+def test_a_refused_engine_cannot_cancel_another_engines_destination_at_the_workers(side) -> None:
+    """Refusals become worker cancels naming (transfer, decode request) only: one for a destination that another
+    engine holds here is left out of the plan."""
+    now = time.monotonic()
+    big = list(range(1, BIG + 1))
+    for j in range(8):  # its 8th is over its budget
+        side._on_message("X", dst(f"t{j}", "v", big), now)
+    assert fails(side, "X") == ["v"]
+    side._on_message("VICTIM", dst("t7", "v", [3]), now)  # the same (transfer, request) now held for VICTIM
+    assert ("t7", "v") not in plan_cancels(side)
+    assert [d.engine for d in side.orphans["t7"][1]] == ["VICTIM"]
+
+
+# ------------------------------------------------------------------ (b) real schedulers: the real decode gets in
+@pytest.mark.timeout(120)
+def test_flooding_engine_ids_cannot_keep_a_real_decodes_early_destination_out(tiny_model: str) -> None:
+    """Two real vLLM schedulers (prefill and decode) over the real side channel. Four made-up engine ids fill the
+    old MAX_ORPHANS, eight fill the block budget in all; the real decode's early destination (sent when it
+    allocates, before the prefill request exists) is held anyway, more flooders after it do not take it away,
+    and it binds when its prefill request arrives."""
+    p = make_scheduler(make_config(tiny_model, role="kv_producer"))
+    d = make_scheduler(make_config(tiny_model, role="kv_consumer"), num_blocks=1000)
+    try:
+        pc, dc = p.get_kv_connector()._sched, d.get_kv_connector()._sched
+        now = time.monotonic()
+        for i in range(4):
+            for j in range(1024):
+                pc._on_message(f"FAKE{i}", dst(f"a{i}-{j}", "s", [1]), now)
+        big = list(range(1, BIG + 1))
+        for i in range(8):
+            for j in range(8):
+                pc._on_message(f"BIG{i}", dst(f"b{i}-{j}", "s", big), now)
+        # the real decode admits its request first (push flow): its destination reaches the prefill early
+        addr = {"remote_host": pc.host, "remote_port": pc.port, "remote_engine_id": pc.engine_id}
+        prompt = list(range(10, 50))  # 40 tokens: 3 blocks
+        dreq = make_request(prompt, params={"do_remote_prefill": True, "do_remote_decode": False, "kvt_xfer": "real",
+                                            **addr})
+        d.add_request(dreq)
+        so = d.schedule()
+        assert dreq.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        d.update_from_output(so, empty_output())
+        dst_blocks = list(d.kv_cache_manager.get_block_ids(dreq.request_id)[0])
+
+        def arrived() -> bool:  # held, or refused (the decode learns it from its own inbox)
+            pc._drain_inbox(time.monotonic())
+            dc._drain_inbox(time.monotonic())
+            return "real" in pc.orphans or "real" in pc.gone or bool(dc.decode._recv_fail)
+        wait_until(arrived)
+        assert not dc.decode._recv_fail, dc.decode._recv_fail  # the prefill did not refuse it
+        assert [(x.engine, x.seq) for x in pc.orphans["real"][1]] == [(dc.engine_id, dreq.request_id)]
+        for i in range(8, 12):  # more flooders: they cannot take it away (it holds less than any of them)
+            for j in range(8):
+                pc._on_message(f"BIG{i}", dst(f"b{i}-{j}", "s", big), time.monotonic())
+        assert [x.engine for x in pc.orphans["real"][1]] == [dc.engine_id]
+        # the prefill request arrives: the destination binds in its first plan, into the decode's blocks
+        preq = make_request(prompt, params={"do_remote_decode": True, "do_remote_prefill": False, "kvt_xfer": "real",
+                                            "kvt_fanout": 1}, max_tokens=1)
+        p.add_request(preq)
+        so = p.schedule()
+        plan = plan_of(so)
+        assert [s.xfer for s in plan.sources] == ["real"]
+        (b,) = [b for b in plan.binds if b.xfer == "real"]
+        assert (b.engine, b.seq, list(b.blocks)) == (dc.engine_id, dreq.request_id, dst_blocks[:3])
+        assert ("real", dreq.request_id) not in plan.cancels
+        so = d.schedule()  # the decode was not told to give up
+        assert dreq.request_id not in plan_of(so).recv_fail and not dc.decode._recv_fail
+    finally:
+        p.shutdown()
+        d.shutdown()
