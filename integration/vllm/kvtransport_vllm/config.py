@@ -8,7 +8,8 @@ Keys of ``kv_connector_extra_config`` (all optional)::
                        prefills: "pull" never puts from inside the forward, only after it; env
                        KV_TRANSPORT_VLLM_MODE, or the older KVT_VLLM_MODE with a deprecation warning)
     side_channel_port  port of the scheduler's side channel (env KV_TRANSPORT_VLLM_SIDE_CHANNEL_PORT, default 0 =
-                       any; the older KVT_VLLM_SIDE_CHANNEL_PORT still works, with a deprecation warning)
+                       any; the older KVT_VLLM_SIDE_CHANNEL_PORT still works, with a deprecation warning); under
+                       data parallelism a base: DP engine r listens on base + r (connector.per_dp_engine)
     bootstrap_port     prefill: serve Mooncake's bootstrap endpoint (GET /query) on this port, for routers that
                        speak Mooncake's kv_transfer_params (vllm-router --kv-connector mooncake, llm-d's sidecar)
                        (env KV_TRANSPORT_VLLM_BOOTSTRAP_PORT, default 0 = none)

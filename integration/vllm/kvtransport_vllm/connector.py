@@ -28,7 +28,7 @@ from .compat import (
     SupportsHMA,
     role_of_extra_config,
 )
-from .config import requires_layerwise, resolve_settings
+from .config import ConnectorSettings, requires_layerwise, resolve_settings
 from .metadata import SendFailure, StepPlan
 from .scheduler import SchedulerSide
 from .stats import KVTransportPromMetrics, KVTransportStats
@@ -96,6 +96,32 @@ PP_UNSUPPORTED = ("KVTransportConnector does not support pipeline parallelism (p
 CP_UNSUPPORTED = ("KVTransportConnector does not support context parallelism ({name}={size}): each worker's KV "
                   "cache would hold only part of every sequence; run the prefill and decode instances with "
                   "{name}=1 (their tensor_parallel_size may differ)")
+
+
+DP_BOOTSTRAP_UNSUPPORTED = (
+    "KVTransportConnector's bootstrap endpoint (bootstrap_port={port}) serves one engine, and this instance runs "
+    "data_parallel_size={dp}: a router reading it would see rank 0 only; run the prefill with "
+    "data_parallel_size=1 behind such a router, or leave bootstrap_port unset (kvtransport-proxy or the NIXL shape)")
+
+
+def per_dp_engine(settings: ConnectorSettings, vllm_config: VllmConfig) -> ConnectorSettings:
+    """``settings`` for this data-parallel engine: a fixed side-channel port is the base, each DP engine listens
+    on base + its DP rank (two engines of one instance on one host would collide on the base). Raises
+    ValueError for a bootstrap endpoint under data parallelism (see DP_BOOTSTRAP_UNSUPPORTED)."""
+    import dataclasses
+
+    pc = vllm_config.parallel_config
+    dp_size = int(getattr(pc, "data_parallel_size", 1) or 1)
+    dp_rank = int(getattr(pc, "data_parallel_rank", 0) or 0)
+    if dp_size > 1 and settings.bootstrap_port:
+        raise ValueError(DP_BOOTSTRAP_UNSUPPORTED.format(port=settings.bootstrap_port, dp=dp_size))
+    if not settings.side_channel_port or not dp_rank:
+        return settings
+    port = settings.side_channel_port + dp_rank
+    if port > 65535:
+        raise ValueError(f"side_channel_port={settings.side_channel_port} + data-parallel rank {dp_rank} is past "
+                         "65535: choose a lower side_channel_port (each DP engine listens on base + its rank)")
+    return dataclasses.replace(settings, side_channel_port=port)
 
 
 def check_parallel(vllm_config: VllmConfig) -> None:
@@ -175,6 +201,7 @@ class KVTransportConnector(*_BASES):  # type: ignore[misc]
         self._worker: Any = None
         self._load_errors: set[int] = set()
         check_parallel(vllm_config)
+        self.settings = per_dp_engine(self.settings, vllm_config)
         layer_groups = check_groups(kv_cache_config)
         num_groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or [None])
         if role == KVConnectorRole.SCHEDULER:
