@@ -557,10 +557,16 @@ class CommManager(ReceiverSide):
     def _spawn(self, fn: Any, name: str, *args: Any) -> threading.Thread:
         """Start a daemon thread (joined at close). Raises RuntimeError when no thread can be started."""
         t = threading.Thread(target=fn, args=args, name=name, daemon=True)
-        t.start()
-        with self._lock:  # finished threads are forgotten: the list does not grow with every connection
-            self._threads = [x for x in self._threads if x.is_alive()]
+        with self._lock:  # listed before it runs (a thread that serves at once is never missing from the list);
+            # finished threads are forgotten, so the list does not grow with every connection
+            self._threads = [x for x in self._threads if x.ident is None or x.is_alive()]
             self._threads.append(t)
+        try:
+            t.start()
+        except RuntimeError:
+            with self._lock:
+                self._threads = [x for x in self._threads if x is not t]
+            raise
         return t
 
     def _count_failure(self) -> None:

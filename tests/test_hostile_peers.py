@@ -326,3 +326,26 @@ def test_a_side_channel_closed_as_a_send_ends_still_wakes_its_reader() -> None:
     assert raw.fileno() == -1  # the descriptor released
     peer.close()
     server.close()
+
+
+def test_a_spawned_thread_is_listed_before_it_runs() -> None:
+    """A link thread that serves at once (the inproc receiver's, under load) was started before it was listed:
+    the connect-close test saw a receiver with a live link and no thread in its list (CI, 2026-12-03)."""
+    import threading
+
+    import kvtransport as kt
+    from kvtransport.workload.caches import CacheSpec, HostCache
+
+    spec = CacheSpec(num_layers=1, num_blocks=8, heads=1, block_size=2, head_dim=4, order="NHD")
+    with kt.open(HostCache(spec).layout, backend="inproc", timeout=10) as cm:
+        for _ in range(50):
+            seen: list[bool] = []
+            done = threading.Event()
+
+            def probe(seen: list[bool], done: threading.Event) -> None:
+                seen.append(threading.current_thread() in cm._threads)
+                done.set()
+
+            cm._spawn(probe, "kvt-probe", seen, done)
+            assert done.wait(5)
+            assert seen == [True]
