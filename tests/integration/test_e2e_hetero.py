@@ -32,6 +32,7 @@ from .test_e2e_pd import (  # noqa: E402
     free_port,
     metrics,
     running,
+    settled,
     start_proxy,
     vllm_cmd,
     why_failed,
@@ -125,7 +126,10 @@ def check_pair(instances: dict[str, Any], prefill: str, decode: str, seed: int,
     proxy = start_proxy(instances, ["--prefill", P.url, "--decode", D.url], f"proxy-{prefill}-{decode}")
     try:
         warm_up(proxy.url, f"{prefill}->{decode}", (P, D, proxy))
-        d0, p0 = metrics(D.url), metrics(P.url)
+        # every transfer of this module succeeds: once quiet, all that the prefills sent was counted as received
+        pre, dec = ["P1", "P2"], ["D1", "D2"]
+        sent0, got0 = settled([procs[k].url for k in pre], [procs[k].url for k in dec], balanced=True)
+        p0, d0 = sent0[pre.index(prefill)], got0[dec.index(decode)]
         t0 = time.monotonic()
         with ThreadPoolExecutor(len(ps)) as ex:
             got = list(ex.map(lambda p: complete(proxy.url, p, (P, D, proxy)), ps))

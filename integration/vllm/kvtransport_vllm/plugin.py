@@ -73,6 +73,9 @@ def register() -> bool:
     if not _checked:
         _checked = True
         fail_fast(sys.argv, os.environ)
+    from .frontend import install
+
+    install()  # bad kv_transfer_params: HTTP 400 from the API server (kvtransport_vllm.frontend)
     with _lock:
         try:
             from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
