@@ -1038,22 +1038,35 @@ def test_a_decodes_new_blocks_go_out_before_its_idle_wait(pair, monkeypatch) -> 
 def test_each_data_parallel_engine_gets_its_own_side_channel_port(tiny_model: str) -> None:
     """Issue 28: a fixed side_channel_port is a base, DP engine r listens on base + r (two DP engines of one
     instance on one host collided on the base); 0 (any free port) stays 0; a bootstrap endpoint under DP is
-    refused at start-up with our message (it would show a router rank 0 only)."""
+    refused at start-up with our message (it would show a router rank 0 only). Both shapes vLLM gives an engine:
+    a MoE model's (data_parallel_size and _rank kept) and a dense model's (independent DP=1 engines: size 1,
+    rank 0, the rank only in data_parallel_index, ``_dp<rank>`` on the engine id)."""
     import dataclasses
 
     from kvtransport_vllm.config import resolve_settings
-    from kvtransport_vllm.connector import per_dp_engine
+    from kvtransport_vllm.connector import dp_position, dp_route, per_dp_engine
 
     cfg = make_config(tiny_model, role="kv_producer")
     base = resolve_settings({"side_channel_port": 7000}, env={})
-    assert per_dp_engine(base, cfg).side_channel_port == 7000
-    cfg.parallel_config.data_parallel_size = 4
-    for rank in range(4):
-        cfg.parallel_config.data_parallel_rank = rank
-        assert per_dp_engine(base, cfg).side_channel_port == 7000 + rank
-    assert per_dp_engine(resolve_settings({}, env={}), cfg).side_channel_port == 0
-    with pytest.raises(ValueError, match=r"past 65535"):
-        per_dp_engine(dataclasses.replace(base, side_channel_port=65534), cfg)
-    with pytest.raises(ValueError, match=r"bootstrap endpoint \(bootstrap_port=8998\) serves one engine, and this "
-                                         r"instance runs data_parallel_size=4"):
-        per_dp_engine(resolve_settings({"bootstrap_port": 8998}, env={}), cfg)
+    assert per_dp_engine(base, cfg, "e").side_channel_port == 7000
+    assert dp_position(cfg, "e") == (0, 1) and dp_route(cfg, "e") == (0, 1)
+    pc = cfg.parallel_config
+    for shape in ("moe", "dense"):
+        for rank in range(4):
+            pc.data_parallel_size, pc.data_parallel_rank = (4, rank) if shape == "moe" else (1, 0)
+            pc.data_parallel_index = rank
+            engine = f"e_dp{rank}"
+            assert per_dp_engine(base, cfg, engine).side_channel_port == 7000 + rank, (shape, rank)
+            assert dp_position(cfg, engine) == (rank, 4 if shape == "moe" else 0), (shape, rank)
+            assert dp_route(cfg, engine) == (rank, 4 if shape == "moe" else 0), (shape, rank)
+        assert per_dp_engine(resolve_settings({}, env={}), cfg, engine).side_channel_port == 0
+        with pytest.raises(ValueError, match=r"past 65535"):
+            per_dp_engine(dataclasses.replace(base, side_channel_port=65534), cfg, engine)
+        with pytest.raises(ValueError, match=r"bootstrap endpoint \(bootstrap_port=8998\) serves one engine, and "
+                                             r"this instance runs data_parallel_size=(4|N>1)"):
+            per_dp_engine(resolve_settings({"bootstrap_port": 8998}, env={}), cfg, "e_dp0")
+    # the hybrid and external balancers front a node's engines: no header without a known local count
+    pc.data_parallel_hybrid_lb = True
+    assert dp_route(cfg, "e_dp3") == (0, 1)  # dense: the local count is unknown
+    pc.data_parallel_size, pc.data_parallel_rank, pc.data_parallel_size_local = 4, 3, 2
+    assert dp_route(cfg, "e_dp3") == (1, 2)  # MoE: rank 3 is the second of its node's two engines

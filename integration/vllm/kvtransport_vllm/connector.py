@@ -104,24 +104,61 @@ DP_BOOTSTRAP_UNSUPPORTED = (
     "data_parallel_size=1 behind such a router, or leave bootstrap_port unset (kvtransport-proxy or the NIXL shape)")
 
 
-def per_dp_engine(settings: ConnectorSettings, vllm_config: VllmConfig) -> ConnectorSettings:
+def dp_position(vllm_config: VllmConfig, engine_id: str = "") -> tuple[int, int]:
+    """(index, size) of this data-parallel engine: its DP rank, and how many engines there are; size 1: no data
+    parallelism; size 0: one of several, how many unknown. vLLM runs a dense model's DP engines as independent
+    DP=1 engines (``data_parallel_size`` reset to 1, ``data_parallel_rank`` to 0) and keeps the rank only in
+    ``data_parallel_index``; it also appends ``_dp<rank>`` to each DP engine's KV engine id, which tells rank 0
+    of several from no data parallelism. A MoE model's engines keep both. Never raises."""
+    pc = vllm_config.parallel_config
+    try:
+        size = int(getattr(pc, "data_parallel_size", 1) or 1)
+        rank = int(getattr(pc, "data_parallel_rank", 0) or 0)
+        index = getattr(pc, "data_parallel_index", None)
+        index = rank if index is None else int(index)
+    except (TypeError, ValueError):
+        return 0, 1
+    if size > 1:
+        return index, size
+    if index > 0 or engine_id.endswith(f"_dp{index}"):
+        return index, 0
+    return 0, 1
+
+
+def per_dp_engine(settings: ConnectorSettings, vllm_config: VllmConfig, engine_id: str = "") -> ConnectorSettings:
     """``settings`` for this data-parallel engine: a fixed side-channel port is the base, each DP engine listens
     on base + its DP rank (two engines of one instance on one host would collide on the base). Raises
     ValueError for a bootstrap endpoint under data parallelism (see DP_BOOTSTRAP_UNSUPPORTED)."""
     import dataclasses
 
-    pc = vllm_config.parallel_config
-    dp_size = int(getattr(pc, "data_parallel_size", 1) or 1)
-    dp_rank = int(getattr(pc, "data_parallel_rank", 0) or 0)
-    if dp_size > 1 and settings.bootstrap_port:
-        raise ValueError(DP_BOOTSTRAP_UNSUPPORTED.format(port=settings.bootstrap_port, dp=dp_size))
-    if not settings.side_channel_port or not dp_rank:
+    index, size = dp_position(vllm_config, engine_id)
+    if size != 1 and settings.bootstrap_port:
+        raise ValueError(DP_BOOTSTRAP_UNSUPPORTED.format(port=settings.bootstrap_port, dp=size or "N>1"))
+    if not settings.side_channel_port or not index:
         return settings
-    port = settings.side_channel_port + dp_rank
+    port = settings.side_channel_port + index
     if port > 65535:
-        raise ValueError(f"side_channel_port={settings.side_channel_port} + data-parallel rank {dp_rank} is past "
+        raise ValueError(f"side_channel_port={settings.side_channel_port} + data-parallel rank {index} is past "
                          "65535: choose a lower side_channel_port (each DP engine listens on base + its rank)")
     return dataclasses.replace(settings, side_channel_port=port)
+
+
+def dp_route(vllm_config: VllmConfig, engine_id: str = "") -> tuple[int, int]:
+    """(index, count) told to a proxy's discovery request: the ``X-data-parallel-rank`` value that routes a
+    request to this DP engine through the API server in front of it, and how many engines that API server routes
+    among (0: several, how many unknown: the proxy asks for each index until the API server refuses one; 1: no
+    header needed). vLLM's internal load balancer fronts every rank (index = the DP rank). The hybrid and
+    external ones front the node's local engines: a known local count gives the rank among them (contiguous per
+    node); otherwise (1 engine per API server, or a dense model whose count the engine cannot see) (0, 1): no
+    pinning. Never raises."""
+    index, size = dp_position(vllm_config, engine_id)
+    if size == 1:
+        return 0, 1
+    pc = vllm_config.parallel_config
+    if bool(getattr(pc, "local_engines_only", False)):
+        local = int(getattr(pc, "data_parallel_size_local", 1) or 1)
+        return (index % local, local) if size > 1 and local > 1 else (0, 1)
+    return index, size
 
 
 def check_parallel(vllm_config: VllmConfig) -> None:
@@ -201,7 +238,7 @@ class KVTransportConnector(*_BASES):  # type: ignore[misc]
         self._worker: Any = None
         self._load_errors: set[int] = set()
         check_parallel(vllm_config)
-        self.settings = per_dp_engine(self.settings, vllm_config)
+        self.settings = per_dp_engine(self.settings, vllm_config, self.engine_id)
         layer_groups = check_groups(kv_cache_config)
         num_groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or [None])
         if role == KVConnectorRole.SCHEDULER:
@@ -210,6 +247,7 @@ class KVTransportConnector(*_BASES):  # type: ignore[misc]
                 producer=ktc.is_kv_producer, consumer=ktc.is_kv_consumer,
                 compat_info=_compat_fields(vllm_config, self.settings.model_id),
                 tp_size=vllm_config.parallel_config.tensor_parallel_size, num_groups=num_groups,
+                dp_route=dp_route(vllm_config, self.engine_id),
             )
         else:
             from .worker import WorkerSide

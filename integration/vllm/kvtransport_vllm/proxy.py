@@ -109,6 +109,10 @@ ANSWER_BYTES = 64 * 1024 * 1024
 """Bound on an instance's answer read whole (a non-streamed completion, its logprobs included)."""
 APIS = ("/v1/completions", "/v1/chat/completions")
 FORWARDED = ("authorization", "x-request-id")
+DP_HEADER = "x-data-parallel-rank"
+"""vLLM's API server sends a request carrying it to that data-parallel engine (its internal load balancer)."""
+MAX_DP_ENGINES = 1024
+"""Data-parallel engines the proxy believes one URL fronts (each becomes a rotation entry)."""
 """Client headers passed on to the instances."""
 _JSON = "application/json"
 
@@ -128,6 +132,16 @@ class Instance:
     failed_at: float = 0.0  # the last mark_down (monotonic)
     why: str = ""  # the last failure
     taken_out: int = 0  # times marked down (for /metrics)
+    dp_rank: int | None = None  # the data-parallel engine behind ``url`` its legs go to (X-data-parallel-rank)
+
+    @property
+    def name(self) -> str:
+        """The URL, and the DP engine when pinned to one (``http://h:p#dp1``)."""
+        return self.url if self.dp_rank is None else f"{self.url}#dp{self.dp_rank}"
+
+    def route(self, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """``headers`` plus the one that sends a request to this instance's DP engine (when pinned)."""
+        return headers if self.dp_rank is None else [*headers, (DP_HEADER, str(self.dp_rank))]
 
     def mark_down(self, why: object) -> None:
         """This instance failed: forget its side channel, keep it out of the rotation for a bounded backoff."""
@@ -138,7 +152,7 @@ class Instance:
         self.down_until = self.failed_at + backoff
         self.side = None
         self.why = str(why) or type(why).__name__
-        log.warning("%s %s failed (%s): out of rotation for %gs", self.role, self.url, self.why, backoff)
+        log.warning("%s %s failed (%s): out of rotation for %gs", self.role, self.name, self.why, backoff)
 
     def up(self, now: float) -> bool:
         return self.down_until <= now  # in rotation at ``now`` (monotonic)
@@ -146,7 +160,7 @@ class Instance:
     def answered(self) -> None:
         """A successful answer: back in rotation, the backoff starts over."""
         if self.failures or self.down_until:
-            log.info("%s %s answers again: back in rotation", self.role, self.url)
+            log.info("%s %s answers again: back in rotation", self.role, self.name)
             self.failures, self.down_until = 0, 0.0
 
     def probed(self, healthy: bool | None, why: str, hold: float) -> None:
@@ -155,7 +169,7 @@ class Instance:
         changes nothing (the backoff decides)."""
         now = time.monotonic()
         if healthy and not self.up(now):
-            log.info("%s %s answers /health again: back in rotation", self.role, self.url)
+            log.info("%s %s answers /health again: back in rotation", self.role, self.name)
             self.down_until = 0.0
         elif healthy is None:
             if self.up(now):
@@ -170,7 +184,7 @@ class Instance:
         if host and isinstance(port, int) and engine:
             side = {"kvt_host": host, "kvt_port": port, "kvt_engine_id": engine}
             if self.side is not None and {k: self.side.get(k) for k in side} != side:
-                log.info("prefill %s: side channel moved to %s:%s (engine %s)", self.url, host, port, engine)
+                log.info("prefill %s: side channel moved to %s:%s (engine %s)", self.name, host, port, engine)
             self.side = {**(self.side or {}), **side}
             self.side_checked = time.monotonic()
 
@@ -264,8 +278,8 @@ class Proxy:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=STOP_TIMEOUT_S)
-        for inst in self.prefill + self.decode:
-            await inst.pool.close()
+        for pool in {id(i.pool): i.pool for i in self.prefill + self.decode}.values():  # DP engines share one
+            await pool.close()
 
     @staticmethod
     def _next_up(instances: list[Instance], turn: itertools.cycle[int]) -> Instance:
@@ -311,10 +325,10 @@ class Proxy:
         """``/health``'s body: ``status`` ``ok`` (every instance in rotation), ``degraded`` (some out) or
         ``unavailable`` (every prefill or every decode out); ``down``: the instances out and why (when any)."""
         now = time.monotonic()
-        down = {i.url: i.why for i in self.prefill + self.decode if not i.up(now)}
-        gone = all(i.url in down for i in self.prefill) or all(i.url in down for i in self.decode)
+        down = {i.name: i.why for i in self.prefill + self.decode if not i.up(now)}
+        gone = all(i.name in down for i in self.prefill) or all(i.name in down for i in self.decode)
         out: dict[str, Any] = {"status": "unavailable" if gone else "degraded" if down else "ok", "mode": self.mode,
-                               "prefill": [i.url for i in self.prefill], "decode": [i.url for i in self.decode]}
+                               "prefill": [i.name for i in self.prefill], "decode": [i.name for i in self.decode]}
         return {**out, "down": down} if down else out
 
     def metrics(self) -> str:
@@ -364,27 +378,77 @@ class Proxy:
                     if await self.reachable(inst.side):
                         inst.side_checked = time.monotonic()
                     else:
-                        log.info("prefill %s: side channel %s:%s unreachable; asking it again", inst.url,
+                        log.info("prefill %s: side channel %s:%s unreachable; asking it again", inst.name,
                                  inst.side["kvt_host"], inst.side["kvt_port"])
                         inst.side = None
                 if inst.side is None:
-                    body = {"model": await self.model_name(inst), "prompt": [1], "max_tokens": 1, "temperature": 0,
-                            "kv_transfer_params": {"do_remote_decode": True, "kvt_discover": True}}
-                    r = await inst.pool.request("POST", "/v1/completions", json.dumps(body).encode(), headers,
-                                                head_timeout=self.discovery_timeout,
-                                                read_timeout=self.discovery_timeout)
-                    raw = await r.read(1 << 20)
-                    if r.status != 200:
-                        raise RuntimeError(f"discovery answered HTTP {r.status}: {raw[:200]!r}")
-                    params = json.loads(raw).get("kv_transfer_params") or {}
-                    if "kvt_port" not in params:
-                        raise RuntimeError(f"{inst.url} did not answer the discovery request: is it a kv_producer "
-                                           "running KVTransportConnector?")
+                    params = await self._ask(inst, inst.route(headers))
+                    await self._pin(inst, params, headers)
                     inst.side, inst.side_checked = params, time.monotonic()
-                    log.info("prefill %s: side channel %s:%s (engine %s)", inst.url, params["kvt_host"],
+                    log.info("prefill %s: side channel %s:%s (engine %s)", inst.name, params["kvt_host"],
                              params["kvt_port"], params["kvt_engine_id"])
             assert inst.side is not None
             return inst.side
+
+    async def _ask(self, inst: Instance, headers: list[tuple[str, str]]) -> dict[str, Any]:
+        """One discovery request (a one-token completion asking ``kvt_discover``) to ``inst``'s URL with
+        ``headers``: the answering engine's side channel. Raises RuntimeError for an answer other than 200 or
+        without one, http11.HTTPError, TimeoutError, KeyError or ValueError for the rest."""
+        body = {"model": await self.model_name(inst), "prompt": [1], "max_tokens": 1, "temperature": 0,
+                "kv_transfer_params": {"do_remote_decode": True, "kvt_discover": True}}
+        r = await inst.pool.request("POST", "/v1/completions", json.dumps(body).encode(), headers,
+                                    head_timeout=self.discovery_timeout, read_timeout=self.discovery_timeout)
+        raw = await r.read(1 << 20)
+        if r.status != 200:
+            raise RuntimeError(f"discovery answered HTTP {r.status}: {raw[:200]!r}")
+        params = json.loads(raw).get("kv_transfer_params") or {}
+        if "kvt_port" not in params:
+            raise RuntimeError(f"{inst.url} did not answer the discovery request: is it a kv_producer running "
+                               "KVTransportConnector?")
+        return dict(params)
+
+    async def _pin(self, inst: Instance, params: dict[str, Any], headers: list[tuple[str, str]]) -> None:
+        """A discovery answer names the data-parallel engine that gave it (``kvt_dp_rank``; ``kvt_dp_size``
+        engines behind this URL, 0: several, how many unknown): pin ``inst`` to it (its legs then carry
+        X-data-parallel-rank, so a prefill leg reaches the engine whose side channel its decode was given) and
+        put the URL's other engines in the rotation, each pinned (an unknown count: asked for rank after rank
+        until the API server refuses one, at most MAX_DP_ENGINES). One engine, or fields that make no sense:
+        nothing pinned. Raises RuntimeError when an engine other than the one named answers (the API server in
+        front ignores the header); http11.HTTPError or TimeoutError from the questions."""
+        rank, size = params.get("kvt_dp_rank"), params.get("kvt_dp_size")
+        if (type(rank) is not int or type(size) is not int or not 0 <= rank < MAX_DP_ENGINES
+                or not (size == 0 or 1 < size <= MAX_DP_ENGINES) or (size and rank >= size)):
+            return
+        if inst.dp_rank is not None:
+            if inst.dp_rank != rank:
+                raise RuntimeError(f"{inst.url} answered from DP engine {rank} a request routed to {inst.dp_rank} "
+                                   f"({DP_HEADER}): does the API server in front honour the header?")
+            return
+        found: dict[int, dict[str, Any] | None] = {r: None for r in range(size)} if size else {}
+        for k in range(0 if size else MAX_DP_ENGINES):
+            if k == rank:
+                continue
+            try:
+                answer = await self._ask(inst, [*headers, (DP_HEADER, str(k))])
+            except RuntimeError:  # vLLM refuses a rank past its engines (HTTP 400)
+                if k > rank:
+                    break
+                raise
+            if answer.get("kvt_dp_rank") != k:
+                raise RuntimeError(f"{inst.url} answered from DP engine {answer.get('kvt_dp_rank')} a request routed "
+                                   f"to {k} ({DP_HEADER}): does the API server in front honour the header?")
+            found[k] = answer
+        inst.dp_rank = rank  # only now: a failure above leaves it unpinned, to be asked again
+        found.pop(rank, None)
+        have = {i.dp_rank for i in self.prefill if i.url == inst.url}
+        now = time.monotonic()
+        self.prefill += [Instance(inst.url, inst.pool, inst.role, side=side, side_checked=now if side else 0.0,
+                                  dp_rank=k) for k, side in sorted(found.items()) if k not in have]
+        after = self.prefill.index(inst) + 1  # the rotation goes on from the instance that was just used
+        order = list(range(len(self.prefill)))
+        self._p = itertools.cycle(order[after:] + order[:after])
+        log.info("prefill %s runs %d data-parallel engines: each in the rotation, its legs pinned by %s", inst.url,
+                 len(found) + 1, DP_HEADER)
 
     @staticmethod
     def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
@@ -513,7 +577,7 @@ class Proxy:
                     ) -> http11.ClientResponse | _Answer:
         """A prefill leg, written now; a connect failure marks the prefill down."""
         try:
-            return await inst.pool.open("POST", api, body, headers)
+            return await inst.pool.open("POST", api, body, inst.route(headers))
         except http11.HTTPError as exc:
             return self._failed(inst, exc)
 

@@ -99,6 +99,9 @@ class InstanceState(Protocol):
     @property
     def taken_out(self) -> int: ...  # times marked down
 
+    @property
+    def dp_rank(self) -> int | None: ...  # the data-parallel engine behind ``url`` (None: not pinned to one)
+
     def up(self, now: float) -> bool: ...  # in rotation at ``now`` (monotonic)
 
 
@@ -137,7 +140,8 @@ class ProxyMetrics:
         """``/metrics``: Prometheus text format (version 0.0.4). ``refused``: the requests the HTTP layer refused
         as they arrived, by status (:attr:`.http11.Server.refused`)."""
         now = time.monotonic()
-        insts = [(i, f'role="{i.role}",url={json.dumps(i.url)}') for i in instances]
+        insts = [(i, f'role="{i.role}",url={json.dumps(i.url)}' + ("" if i.dp_rank is None else f',dp_rank="{i.dp_rank}"'))
+                 for i in instances]
         out = [*_family("kvtransport_proxy_requests_total", "counter", "API requests answered, by outcome (see "
                         "proxy.OUTCOMES).", [(f'outcome="{k}"', v) for k, v in self.outcomes.items()]),
                *_family("kvtransport_proxy_refused_total", "counter", "Requests refused as they arrived (413: body "

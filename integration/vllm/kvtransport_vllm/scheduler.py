@@ -95,8 +95,12 @@ class SchedulerSide:
     """See the module docstring. ``prefill`` / ``decode``: the roles this engine plays (None: not that one)."""
 
     def __init__(self, *, settings: ConnectorSettings, engine_id: str, block_size: int, producer: bool,
-                 consumer: bool, compat_info: dict[str, Any], tp_size: int = 1, num_groups: int = 1) -> None:
+                 consumer: bool, compat_info: dict[str, Any], tp_size: int = 1, num_groups: int = 1,
+                 dp_route: tuple[int, int] = (0, 1)) -> None:
+        """``dp_route``: (index, count) of this data-parallel engine behind its API server
+        (``connector.dp_route``), told to a proxy's discovery request."""
         self.settings = settings
+        self.dp_index, self.dp_count = dp_route
         self.engine_id = engine_id
         self.block_size = block_size
         self.producer = producer
@@ -198,9 +202,11 @@ class SchedulerSide:
                 "workers": {str(r): b64(m["metadata"]) for r, m in self.worker_meta.items()}}
 
     def discovery_params(self) -> dict[str, Any]:
-        """What a proxy needs to address this prefill engine's side channel."""
+        """What a proxy needs to address this prefill engine's side channel, and to route a prefill leg to it
+        under data parallelism: the ``X-data-parallel-rank`` value that reaches it (``kvt_dp_rank``) among
+        ``kvt_dp_size`` engines behind this API server."""
         return {"kvt_host": self.host, "kvt_port": self.port, "kvt_engine_id": self.engine_id,
-                "kvt_mode": self.settings.mode}
+                "kvt_mode": self.settings.mode, "kvt_dp_rank": self.dp_index, "kvt_dp_size": self.dp_count}
 
     def _take_geometry(self, engine: str, hello: dict[str, Any]) -> None:
         """Record decode ``engine``'s geometry from its hello; an unlike one whose KV we cannot map (a cache
