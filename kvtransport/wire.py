@@ -461,12 +461,14 @@ def decode_nack(payload: bytes) -> tuple[SeqId, errors.KVTransportError]:
 
 
 # ---------------------------------------------------------------------- authentication
-def auth_tag(secret: bytes, nonce: bytes, body: bytes) -> str:
-    """HMAC-SHA256 over the server's nonce and the HELLO body (hex)."""
-    return hmac.new(secret, nonce + body, hashlib.sha256).hexdigest()
+def auth_tag(secret: bytes, nonce: bytes, body: bytes | bytearray) -> str:
+    """HMAC-SHA256 over the server's nonce and the HELLO body (hex; the body is not copied)."""
+    mac = hmac.new(secret, nonce, hashlib.sha256)
+    mac.update(body)
+    return mac.hexdigest()
 
 
-def auth_ok(secret: bytes, nonce: bytes, body: bytes, tag: object) -> bool:
+def auth_ok(secret: bytes, nonce: bytes, body: bytes | bytearray, tag: object) -> bool:
     return isinstance(tag, str) and hmac.compare_digest(auth_tag(secret, nonce, body), tag)
 
 

@@ -66,8 +66,11 @@ def checksum_flood(r, runs, records):
     out = {"sent": 0, "error": "", "held": []}
     with kt.open(src.layout, **opts) as s:
         peer = s.connect(r.metadata(), timeout=10)
-        with r._lock:
-            ib = [x for x in r._inbound.values() if x.peer == s.instance][0]
+        deadline = time.monotonic() + 10  # the receiver files the link a moment after connect returned
+        while not (found := [x for x in list(r._inbound.values()) if x.peer == s.instance]):
+            assert time.monotonic() < deadline, "no inbound link"
+            time.sleep(0.01)
+        ib = found[0]
         packed = struct.pack("!qqq", 0, 0, 1) * runs  # (built once: the sender's own memory stays small)
         for i in range(records):
             try:
@@ -314,6 +317,18 @@ RUNS_PER_RECORD = (1 << 20) // 24
 """Runs of one 1 MiB checksum record (24 bytes each on the wire)."""
 
 
+def inbound_of(r: Any, instance: str, within: float = 10.0) -> Any:
+    """The receiver's record of the link from ``instance``: its handshake thread files it a moment after the
+    sender's connect returned (a loaded CI host made a bare ``next()`` miss it)."""
+    deadline = time.monotonic() + within
+    while True:
+        found = [x for x in list(r._inbound.values()) if x.peer == instance]
+        if found or time.monotonic() > deadline:
+            assert found, f"no inbound link from {instance} within {within} s"
+            return found[0]
+        time.sleep(0.01)
+
+
 def test_checksum_records_are_counted_and_bounded_in_bytes() -> None:
     """A connected sender (debug checksums on) sends CHECKSUM records of 1 MiB of runs each and never
     signals them. The receiver holds each at exactly its run bytes plus CHECKSUM_RECORD_OVERHEAD, keeps the
@@ -330,7 +345,7 @@ def test_checksum_records_are_counted_and_bounded_in_bytes() -> None:
             kt.open(src.layout, backend="inproc", checksum=True) as s, \
             kt.open(src.layout, backend="inproc", checksum=True) as good:
         peer = s.connect(r.metadata())
-        ib = next(x for x in r._inbound.values() if x.peer == s.instance)
+        ib = inbound_of(r, s.instance)
         for i in range(fit):
             peer._state.conn.send(FrameType.CHECKSUM,
                                   wire.encode_checksum(f"c{i}", 0, 0, [BlockRun(0, 1, 2)] * RUNS_PER_RECORD))
@@ -345,7 +360,7 @@ def test_checksum_records_are_counted_and_bounded_in_bytes() -> None:
             time.sleep(0.01)
         assert s.instance not in r.inbound_peers(), "a record past the byte budget did not drop the link"
         p2 = good.connect(r.metadata())
-        ib2 = next(x for x in r._inbound.values() if x.peer == good.instance)
+        ib2 = inbound_of(r, good.instance)
         good.put_layer(p2, "fine", 0, [0, 1], [2, 3])
         good.flush(p2, timeout=10)
         while ib2._pending_checksums < 1 and time.monotonic() < deadline:

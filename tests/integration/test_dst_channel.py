@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (integration/vllm/ci_setup.sh builds its venv)")
 pytest.importorskip("kvtransport_vllm", reason="kvtransport-vllm is not installed")
 
+from kvtransport_vllm import protocol as proto
 from kvtransport_vllm.protocol import MAX_WORKER_LINKS, PROTOCOL_VERSION, check_worker_at
 from kvtransport_vllm.sidechannel import PeerClient, SideChannelServer
 
@@ -60,8 +61,8 @@ def test_a_worker_link_delivers_destinations_and_proves_the_secret(secret: bytes
         dst = {"type": "dst", "xfer": "x1", "mode": "push", "dsts": [{"seq": "d1", "blocks": [4, 5], "offset": 1}]}
         link.send(dst)
         (msg,) = events(jobs, "msg")
-        assert msg == ("msg", "D", {"type": "dst", "xfer": "x1", "mode": "push",
-                                    "dsts": [{"seq": "d1", "blocks": [4, 5], "offset": 1}]})
+        assert proto.as_lists(msg) == ["msg", "D", {"type": "dst", "xfer": "x1", "mode": "push",
+                                                    "dsts": [{"seq": "d1", "blocks": [4, 5], "offset": 1}]}]
         if secret is not None:  # a peer without the secret is refused by the worker's channel too
             impostor = PeerClient(server.host, server.port, lambda: {**HELLO, "engine_id": "I"}, lambda: ("c", {}),
                                   inbox, 3, secret=b"wrong", worker=True)

@@ -11,7 +11,6 @@ messages sent, the plans)."""
 from __future__ import annotations
 
 import gc
-import json
 import time
 import tracemalloc
 from types import SimpleNamespace
@@ -57,8 +56,9 @@ def side():
 
 
 def dst(xfer: str, seq: str, blocks: list[int]) -> dict[str, Any]:
-    """A dst message as the side channel's reader hands it on (already checked)."""
-    return {"type": "dst", "xfer": xfer, "mode": "push", "dsts": [{"seq": seq, "blocks": blocks, "offset": 0}]}
+    """A dst message as the side channel's reader hands it on (packed on the wire, checked)."""
+    msg = {"type": "dst", "xfer": xfer, "mode": "push", "dsts": [{"seq": seq, "blocks": blocks, "offset": 0}]}
+    return proto.check_message(proto.parse_message(proto.encode_message(msg)[4:]))
 
 
 def fails(s: SchedulerSide, engine: str | None = None) -> list[str]:
@@ -85,12 +85,12 @@ def plan_cancels(s: SchedulerSide) -> list[tuple[str, str]]:
 
 # ------------------------------------------------------------------ (a) one engine: capped in block ids, memory bounded
 def test_one_engines_100_big_destinations_are_capped_at_its_block_budget(side) -> None:
-    """The issue's attack as the side channel delivers it (real JSON, distinct ints): one engine sends 100
+    """The issue's attack as the side channel delivers it (packed, distinct ids): one engine sends 100
     destinations of 65,536 block ids each for one transfer whose prefill request never came. 7 are held
     (7 x (65,536 + 16) = 458,864 <= 524,288; an 8th would be 524,416), the other 93 are refused back to it; the
     scheduler holds ~16 MiB, at most twice the budget's ~18 MiB (it held all 100: ~236 MiB)."""
     assert PER_ENGINE == 1 << 19 and ENTRY == 16
-    blocks = json.dumps(list(range(1_000_000, 1_000_000 + BIG))).encode()
+    blocks = list(range(1_000_000, 1_000_000 + BIG))
     gc.collect()
     tracemalloc.start()
     try:
@@ -98,9 +98,9 @@ def test_one_engines_100_big_destinations_are_capped_at_its_block_budget(side) -
         tracemalloc.reset_peak()
         now = time.monotonic()
         for i in range(100):
-            raw = b'{"type": "dst", "xfer": "x", "mode": "push", "dsts": [{"seq": "s%d", "offset": 0, "blocks": ' % i
-            raw += blocks + b"}]}"
-            side._on_message("FLOOD", proto.check_message(json.loads(raw)), now)
+            raw = proto.encode_message({"type": "dst", "xfer": "x", "mode": "push",
+                                        "dsts": [{"seq": f"s{i}", "offset": 0, "blocks": blocks}]})[4:]
+            side._on_message("FLOOD", proto.check_message(proto.parse_message(raw)), now)
             del raw
         gc.collect()
         cur, peak = tracemalloc.get_traced_memory()

@@ -99,8 +99,8 @@ def test_a_wrong_secret_is_refused_and_a_right_one_served(server) -> None:
     kind, engine, got = inbox.get(timeout=5)
     assert (kind, engine) == ("hello", "decode-A") and got["workers"] == {0: META}
     proto.send_message(s, {"type": "dst", "xfer": "x1", "mode": "push", "dsts": [{"seq": "r1", "blocks": [3, 4]}]})
-    assert inbox.get(timeout=5) == ("msg", "decode-A", {"type": "dst", "xfer": "x1", "mode": "push",
-                                                        "dsts": [{"seq": "r1", "blocks": [3, 4], "offset": 0}]})
+    assert proto.as_lists(inbox.get(timeout=5)) == ["msg", "decode-A", {
+        "type": "dst", "xfer": "x1", "mode": "push", "dsts": [{"seq": "r1", "blocks": [3, 4], "offset": 0}]}]
     s.close()
 
 
@@ -240,8 +240,9 @@ def prefill():
 
 
 def dst(xfer: str, seq: str, blocks: list[int]) -> dict[str, Any]:
-    return proto.check_message({"type": "dst", "xfer": xfer, "mode": "push",
-                                "dsts": [{"seq": seq, "blocks": blocks}]})
+    """A dst message as the side channel delivers it (packed on the wire, checked)."""
+    msg = {"type": "dst", "xfer": xfer, "mode": "push", "dsts": [{"seq": seq, "blocks": blocks}]}
+    return proto.check_message(proto.parse_message(proto.encode_message(msg)[4:]))
 
 
 def cancel(xfer: str, seqs: list[str], count: int = 0) -> dict[str, Any]:
@@ -253,7 +254,7 @@ def test_a_decode_cannot_act_on_another_decodes_request(prefill) -> None:
     prefill._on_message("A", dst("x1", "rA", [5, 6]), now)  # destination before its prefill request (orphan)
     prefill._on_message("B", cancel("x1", ["rA"]), now)
     prefill._on_message("B", dst("x1", "rA", [9]), now)
-    assert [(d.engine, d.seq, d.blocks) for d in prefill.orphans["x1"][1]] == [("A", "rA", [5, 6])]
+    assert [(d.engine, d.seq, list(d.blocks)) for d in prefill.orphans["x1"][1]] == [("A", "rA", [5, 6])]
     req = SimpleNamespace(request_id="p1", kv_transfer_params={"do_remote_decode": True, "kvt_xfer": "x1",
                                                                 "kvt_fanout": 1}, num_prompt_tokens=20)
     src = prefill._register_source(req)

@@ -189,8 +189,8 @@ def test_a_prefills_message_of_empty_objects_costs_the_decode_at_most_twice_its_
 
 
 def test_the_guard_counts_what_a_parse_would_allocate() -> None:
-    """Exact bounds: MAX_CONTAINERS objects/arrays and MAX_STRINGS quotes pass, one more does not; a real
-    destination list of MAX_IDS destinations passes."""
+    """Exact bounds: MAX_CONTAINERS objects/arrays, MAX_STRINGS quotes and MAX_COMMAS commas pass, one more does
+    not; a real destination list of MAX_IDS destinations passes, packed."""
     ok = b"[" + b"{}," * (proto.MAX_CONTAINERS - 2) + b"{}]"
     proto.guard_json(ok)
     with pytest.raises(proto.MalformedMessage):
@@ -198,9 +198,102 @@ def test_the_guard_counts_what_a_parse_would_allocate() -> None:
     proto.guard_json(b'"' * proto.MAX_STRINGS)
     with pytest.raises(proto.MalformedMessage):
         proto.guard_json(b'"' * (proto.MAX_STRINGS + 1))
+    proto.guard_json(b"[" + b"0," * proto.MAX_COMMAS + b"0]")
+    with pytest.raises(proto.MalformedMessage, match="commas"):
+        proto.guard_json(b"[" + b"0," * (proto.MAX_COMMAS + 1) + b"0]")
     dst = {"type": "dst", "xfer": "x" * 36, "mode": "push",
            "dsts": [{"seq": f"r{i}-" + "x" * 30, "blocks": list(range(16)), "offset": 0}
                     for i in range(proto.MAX_IDS)]}
-    raw = json.dumps(dst).encode()
-    assert len(raw) < proto.MAX_MESSAGE
-    assert proto.check_message(proto.parse_message(raw))["dsts"][-1]["blocks"] == list(range(16))
+    raw = proto.encode_message(dst)[4:]
+    assert raw.startswith(proto.PACKED) and len(raw) < proto.MAX_MESSAGE
+    got = proto.check_message(proto.parse_message(raw))["dsts"]
+    assert len(got) == proto.MAX_IDS and all(list(d["blocks"]) == list(range(16)) for d in got)
+    assert got[-1]["seq"] == f"r{proto.MAX_IDS - 1}-" + "x" * 30
+
+
+@pytest.mark.parametrize("blocks, groups, why", [
+    ([1, 2], [], None), ([], [[3], [4, 5]], None), ([2 ** 32 - 1], [], None),
+    ([2 ** 32], [], "u32"), ([-1], [], "u32"), (["7"], [], "u32"),
+])
+def test_packed_block_ids_round_trip_exactly(blocks: list[Any], groups: list[list[int]], why: str | None) -> None:
+    msg = {"type": "dst", "xfer": "x", "mode": "push", "dsts": [{"seq": "s", "blocks": blocks, "offset": 3,
+                                                                 **({"groups": groups} if groups else {})}]}
+    if why is not None:
+        with pytest.raises(proto.ProtocolFailure, match=why):
+            proto.encode_message(msg)
+        return
+    (d,) = proto.check_message(proto.parse_message(proto.encode_message(msg)[4:]))["dsts"]
+    assert (list(d["blocks"]), [list(g) for g in d.get("groups", [])], d["offset"]) == (blocks, groups, 3)
+
+
+def packed(header: dict[str, Any], ids: bytes) -> bytes:
+    h = json.dumps(header).encode()
+    return proto.PACKED + struct.pack("<I", len(h)) + h + ids
+
+
+@pytest.mark.parametrize("raw, why", [
+    (proto.PACKED + b"\x01", "shorter than its header"),
+    (proto.PACKED + struct.pack("<I", 1000) + b"{}", "does not fit"),
+    (proto.PACKED + struct.pack("<I", proto.MAX_PACKED_HEADER + 1) + b"{}", "does not fit"),
+    (packed({"type": "dst", "xfer": "x", "dsts": [{"seq": "s", "n": 2}]}, b"\0" * 4), "fewer block ids"),
+    (packed({"type": "dst", "xfer": "x", "dsts": [{"seq": "s", "n": 1}]}, b"\0" * 8), "more block ids"),
+    (packed({"type": "dst", "xfer": "x", "dsts": [{"seq": "s", "n": 1}]}, b"\0" * 5), "whole u32s"),
+    (packed({"type": "dst", "xfer": "x", "dsts": [{"seq": "s", "n": -1}]}, b""), "block count"),
+    (packed({"type": "dst", "xfer": "x", "dsts": [{"seq": "s", "n": "1"}]}, b"\0" * 4), "block count"),
+    (packed({"type": "dst", "xfer": "x", "dsts": [{"seq": "s", "n": 0, "g": 5}]}, b""), "groups"),
+    (packed({"type": "dst", "xfer": "x", "dsts": [{"seq": "s", "n": 0, "g": [0] * 17}]}, b""), "groups"),
+    (packed({"type": "dst", "xfer": "x", "dsts": [7]}, b""), "destination must be an object"),
+    (packed({"type": "renew", "xfers": []}, b""), "one dst message"),
+    (packed({"type": "dst", "xfer": "x", "dsts": [{"seq": "s", "n": proto.MAX_BLOCKS + 1}]}, b""), "block count"),
+    (proto.PACKED + struct.pack("<I", 4) + proto.PACKED, "malformed message"),  # a packed header: no recursion
+])
+def test_a_malformed_packed_frame_is_refused_with_its_reason(raw: bytes, why: str) -> None:
+    with pytest.raises(proto.MalformedMessage, match=why):
+        proto.check_message(proto.parse_message(raw))
+
+
+def test_block_ids_as_json_numbers_are_refused() -> None:
+    """Protocol 5: a dst whose blocks come as a JSON list is refused (the parse of such lists was the cost)."""
+    raw = json.dumps({"type": "dst", "xfer": "x", "dsts": [{"seq": "s", "blocks": [1, 2], "offset": 0}]}).encode()
+    with pytest.raises(proto.MalformedMessage, match="must come packed"):
+        proto.check_message(proto.parse_message(raw))
+
+
+def numbers(size: int) -> bytes:
+    """A JSON dst message of ``size`` bytes whose blocks are all 3-digit integers (~9x their text to parse)."""
+    head, tail = b'{"type":"dst","xfer":"x","dsts":[{"seq":"s","offset":0,"blocks":[', b"257]}]}"
+    return head + b"257," * ((size - len(head) - len(tail)) // 4) + tail
+
+
+@pytest.mark.parametrize("kind", ["numbers", "packed"])
+def test_an_authenticated_peers_message_of_block_ids_costs_at_most_twice_its_size(kind: str) -> None:
+    """Issue 29's leftover: 8 MiB of block ids as JSON numbers cost the prefill 4-9x their size to parse (only an
+    authenticated peer gets that far). Now ids go packed: as numbers the message is refused before the parse
+    (MAX_COMMAS), and packed (2M ids, u32 each) it costs its size again, the arrays the inbox holds."""
+    child = Child("server")
+    try:
+        s = authenticated(child.first["port"])
+        before = child.settle()
+        size = proto.MAX_MESSAGE - 64
+        if kind == "numbers":
+            s.sendall(frame(numbers(size)))
+            want = {"dropped": 1, "events": 1}  # (the hello's event)
+        else:
+            per = (size - 200) // 8  # two destinations of ~1M ids each
+            msg = {"type": "dst", "xfer": "x", "mode": "push",
+                   "dsts": [{"seq": f"s{i}", "blocks": [257 + i] * per, "offset": 0} for i in range(2)]}
+            data = proto.encode_message(msg)
+            assert proto.MAX_MESSAGE - 256 < len(data) <= proto.MAX_MESSAGE
+            del msg
+            s.sendall(data)
+            want = {"dropped": 0, "events": 2}
+        deadline = time.monotonic() + 20
+        while {k: child.status()[k] for k in want} != want and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert {k: child.status()[k] for k in want} == want
+        growth = child.settle() - before
+        assert growth <= 2 * size, f"+{growth / MiB:.1f} MiB for {size / MiB:.0f} MiB of {kind}"
+        print(f"\n[memory] {kind}: +{growth / MiB:.1f} MiB for {size / MiB:.0f} MiB")
+        s.close()
+    finally:
+        child.close()

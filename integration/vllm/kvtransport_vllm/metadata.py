@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -132,9 +133,9 @@ class Bind:
     xfer: str
     engine: str
     seq: str
-    blocks: tuple[int, ...]
+    blocks: Sequence[int]  # a tuple, or an array('I') as it came off a packed frame (protocol.PACKED)
     offset: int = 0
-    groups: tuple[tuple[int, ...], ...] = ()
+    groups: tuple[Sequence[int], ...] = ()
 
 
 @dataclass

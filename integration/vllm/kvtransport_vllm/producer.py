@@ -14,6 +14,7 @@ import logging
 import re
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -74,9 +75,9 @@ def sampling_family(req_id: str) -> str | None:
 class _Dst:
     engine: str
     seq: str
-    blocks: list[int]
+    blocks: Sequence[int]  # as the message brought them: an array('I') off a packed frame (protocol.PACKED)
     offset: int
-    extra: list[list[int]] = field(default_factory=list)  # KV cache groups 1.. : their blocks, aligned with blocks
+    extra: list[Sequence[int]] = field(default_factory=list)  # KV cache groups 1..: their blocks, aligned
     forwarded: bool = False  # handed to the workers in a plan (they put it, whenever it came to them first)
     cancelled: bool = False
 

@@ -1,4 +1,5 @@
-"""The connector's scheduler-to-scheduler side channel: versioned, length-prefixed JSON messages.
+"""The connector's scheduler-to-scheduler side channel: versioned, length-prefixed JSON messages (a ``dst``
+goes PACKED: a JSON header, then its block ids as u32).
 
 Handshake (both sides prove ``KV_TRANSPORT_SECRET`` when it is set, with the core's HMAC, ``kvtransport.wire``)::
 
@@ -32,18 +33,20 @@ import hashlib
 import json
 import socket
 import struct
-from collections.abc import Mapping
+import sys
+from array import array
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvtransport import wire
 from kvtransport.errors import KVTransportError
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_MESSAGE = 8 << 20
 """Bytes of one message after the handshake. The largest the protocol needs is one ``dst`` of a request of the
-longest context: 1M tokens at block size 16 are 65,536 block ids of at most 13 digits (~0.9 MiB), or with
-MAX_GROUPS hybrid groups ~2 MiB; 8 MiB leaves room for parallel-sampling children. Was 64 MiB: one message of
-empty objects then cost the receiver ~1.7 GB to parse."""
+longest context: 1M tokens at block size 16 are 65,536 block ids (256 KiB packed), or with MAX_GROUPS hybrid
+groups ~4.3 MiB; 8 MiB leaves room for parallel-sampling children. Was 64 MiB: one message of empty objects
+then cost the receiver ~1.7 GB to parse."""
 MAX_HELLO = 4 << 20
 """Bytes an unauthenticated peer may send (its one hello frame, carrying up to 1,024 workers' metadata)."""
 MAX_CONTAINERS = 65536
@@ -54,6 +57,17 @@ MAX_STRINGS = 131072
 """Double quotes in one JSON frame (two per string; escaped ones counted too). A ``dst`` has ~10 per
 destination (keys and its ``seq``); a hello's JSON-in-JSON a few per worker. Each string costs the parser
 ~50 bytes or more: ~3 MiB per frame."""
+MAX_COMMAS = 65536
+"""Commas in one JSON frame: a bound on its numbers (each costs the parser 8 bytes of list slot and up to 32 of
+int or float object for 2-4 bytes of text: an 8 MiB list of integers cost ~9x its size). Every list of block ids
+goes packed (PACKED); the JSON messages left need a few per id (a ``renew`` of MAX_IDS transfers: 4,096)."""
+PACKED = b"KVP1"
+"""First bytes of a ``dst`` frame: then the JSON header's length (u32, little-endian), the JSON header (each
+destination's ``blocks`` and ``groups`` replaced by their lengths, ``n`` and ``g``), then every block id as a
+little-endian u32, destination by destination (its blocks, then each group's). The ids become ``array('I')``
+of 4 bytes each: the frame costs its receiver about its size again, not 9x (block ids as JSON numbers)."""
+MAX_PACKED_HEADER = 2 << 20
+"""Bytes of a packed frame's JSON header (MAX_IDS destinations with ids of up to MAX_ID_CHARS characters)."""
 SEALED = b"KVS1"
 """First bytes of a sealed frame (then the 32-byte HMAC, zeros without a secret, then the JSON body)."""
 MAX_IDS = 4096
@@ -65,6 +79,9 @@ MAX_GROUPS = 16
 """KV cache groups beyond the first in one destination (hybrid models)."""
 REFUSED = "refused: this peer did not prove KV_TRANSPORT_SECRET (set the same secret on both sides)"
 _HEADER = struct.Struct("!I")
+_PACKED_LEN = struct.Struct("<I")
+_U32 = "I"
+assert array(_U32).itemsize == 4, "this platform's array('I') is not 4 bytes"
 
 
 class ProtocolFailure(Exception):
@@ -83,20 +100,111 @@ class ConnectionClosed(ProtocolFailure):
     """The peer closed the connection (end of stream before a whole message)."""
 
 
-def guard_json(raw: bytes) -> None:
+def guard_json(raw: bytes | bytearray) -> None:
     """Refuse a JSON frame whose parse could cost more than a bounded multiple of its size: more than
     MAX_CONTAINERS objects and arrays or MAX_STRINGS/2 strings, counted on the raw bytes (a count, not a parse).
-    Numbers are bounded by the frame (a list of small integers costs 4x its text, of large ones up to 7x; only
-    an authenticated peer gets to send MAX_MESSAGE bytes). Raises MalformedMessage."""
+    Numbers are bounded by MAX_COMMAS. Raises MalformedMessage."""
     if raw.count(b"{") + raw.count(b"[") > MAX_CONTAINERS:
         raise MalformedMessage(f"more than {MAX_CONTAINERS} objects and arrays in one message")
     if raw.count(b'"') > MAX_STRINGS:
         raise MalformedMessage(f"more than {MAX_STRINGS // 2} strings in one message")
+    if raw.count(b",") > MAX_COMMAS:
+        raise MalformedMessage(f"more than {MAX_COMMAS} commas in one message (lists of block ids go packed)")
+
+
+def _pack_dst(msg: Mapping[str, Any]) -> bytes:
+    """A ``dst`` message as a PACKED frame's payload. Raises ProtocolFailure for a block id outside u32."""
+    ids: array[int] = array(_U32)
+    dsts = []
+    try:
+        for d in msg.get("dsts", []):
+            entry = {k: v for k, v in d.items() if k not in ("blocks", "groups")}
+            blocks, groups = d.get("blocks", ()), d.get("groups", ())
+            entry["n"] = len(blocks)
+            ids.extend(blocks)
+            if groups:
+                entry["g"] = [len(g) for g in groups]
+                for g in groups:
+                    ids.extend(g)
+            dsts.append(entry)
+    except (OverflowError, TypeError) as exc:
+        raise ProtocolFailure(f"a block id does not fit the protocol's u32: {exc}") from None
+    header = json.dumps({**{k: v for k, v in msg.items() if k != "dsts"}, "dsts": dsts},
+                        separators=(",", ":")).encode()
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return PACKED + _PACKED_LEN.pack(len(header)) + header + ids.tobytes()
+
+
+def _packed_header(header: bytes | bytearray, tail_bytes: int) -> tuple[dict[str, Any], list[int]]:
+    """A PACKED frame's JSON header parsed (guarded) and the length of each block id list it announces, in
+    frame order; checked to add up to ``tail_bytes``. Raises MalformedMessage."""
+    msg = _json_object(header)
+    dsts = msg.get("dsts")
+    if msg.get("type") != "dst" or not isinstance(dsts, list) or len(dsts) > MAX_IDS:
+        raise MalformedMessage("a packed frame carries one dst message of at most MAX_IDS destinations")
+    counts: list[int] = []
+    for d in dsts:
+        if not isinstance(d, dict):
+            raise MalformedMessage("a destination must be an object")
+        counts.append(_count(d.get("n"), "block count", MAX_BLOCKS + 1))
+        counts += [_count(n, "block count", MAX_BLOCKS + 1) for n in _items(d.get("g", []), "groups", MAX_GROUPS)]
+    if tail_bytes % 4:
+        raise MalformedMessage("packed block ids are not whole u32s")
+    if sum(counts) != tail_bytes // 4:
+        more = "fewer" if sum(counts) > tail_bytes // 4 else "more"
+        raise MalformedMessage(f"packed frame holds {more} block ids than its header counts")
+    return msg, counts
+
+
+def _place(msg: dict[str, Any], lists: list[array[int]]) -> dict[str, Any]:
+    """Put the block id ``lists`` (frame order) in place of the header's counts: ``blocks`` and ``groups``."""
+    it = iter(lists)
+    for d in msg["dsts"]:
+        del d["n"]
+        d["blocks"] = next(it)
+        if "g" in d:
+            d["groups"] = [next(it) for _ in d.pop("g")]
+    return msg
+
+
+def as_lists(value: Any) -> Any:
+    """``value`` (a message) with every ``array`` in it as a list: what was sent, for logs and comparisons."""
+    if isinstance(value, array):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: as_lists(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [as_lists(v) for v in value]
+    return value
+
+
+def _unpack_dst(raw: bytes | bytearray) -> dict[str, Any]:
+    """A PACKED frame's message from its bytes in memory (see :func:`_recv_packed` for the socket's).
+    Raises MalformedMessage."""
+    if len(raw) < len(PACKED) + _PACKED_LEN.size:
+        raise MalformedMessage("packed frame shorter than its header")
+    (size,) = _PACKED_LEN.unpack_from(raw, len(PACKED))
+    start = len(PACKED) + _PACKED_LEN.size
+    if size > MAX_PACKED_HEADER or start + size > len(raw):
+        raise MalformedMessage(f"packed frame header of {size} bytes does not fit")
+    msg, counts = _packed_header(bytes(raw[start:start + size]), len(raw) - start - size)
+    lists, at = [], start + size
+    with memoryview(raw) as view:
+        for n in counts:
+            ids: array[int] = array(_U32)
+            ids.frombytes(view[at:at + 4 * n])
+            if sys.byteorder != "little":
+                ids.byteswap()
+            lists.append(ids)
+            at += 4 * n
+    return _place(msg, lists)
 
 
 def encode_message(msg: Mapping[str, Any]) -> bytes:
-    """One message as it goes on the wire (length prefix and JSON). Raises ProtocolFailure when too large."""
-    body = json.dumps(msg, separators=(",", ":")).encode()
+    """One message as it goes on the wire (length prefix, then JSON, or a PACKED frame for ``dst``). Raises
+    ProtocolFailure when too large."""
+    body = _pack_dst(msg) if msg.get("type") == "dst" else json.dumps(msg, separators=(",", ":")).encode()
     if len(body) > MAX_MESSAGE:
         raise ProtocolFailure(f"message of {len(body)} bytes exceeds {MAX_MESSAGE}")
     return _HEADER.pack(len(body)) + body
@@ -112,21 +220,65 @@ def send_frame(sock: socket.socket, payload: bytes) -> None:
     sock.sendall(_HEADER.pack(len(payload)) + payload)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    """Exactly ``n`` bytes, read into one buffer (a frame costs its size once, not once per copy)."""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` (bytes) from ``sock``. Raises ConnectionClosed or OSError."""
+    got, n = 0, len(view)
     while got < n:
         k = sock.recv_into(view[got:], n - got)
         if not k:
             raise ConnectionClosed("connection closed by peer")
         got += k
-    view.release()
-    return buf  # type: ignore[return-value]  # a bytearray: json.loads and bytes.count take it as it is
 
 
-def recv_frame(sock: socket.socket, limit: int = MAX_MESSAGE) -> bytes:
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    """Exactly ``n`` bytes, read into one buffer (a frame costs its size once, not once per copy)."""
+    buf = bytearray(n)
+    with memoryview(buf) as view:
+        _recv_into(sock, view)
+    return buf
+
+
+def _skip(sock: socket.socket, n: int) -> None:
+    """Read and drop ``n`` bytes (a refused frame's rest: the stream stays in sync), 64 KiB at a time."""
+    chunk = bytearray(min(n, 1 << 16))
+    with memoryview(chunk) as view:
+        while n:
+            k = min(n, len(view))
+            _recv_into(sock, view[:k])
+            n -= k
+
+
+def _recv_packed(sock: socket.socket, size: int) -> dict[str, Any]:
+    """The rest of a PACKED frame of ``size`` bytes whose magic was read: the header parsed, then each block id
+    list read off the socket straight into its ``array('I')`` (the frame is never held whole: it costs its
+    size once). Raises MalformedMessage with the frame consumed, ConnectionClosed or OSError."""
+    rest = size - len(PACKED)
+    if rest < _PACKED_LEN.size:
+        _skip(sock, rest)
+        raise MalformedMessage("packed frame shorter than its header")
+    (hlen,) = _PACKED_LEN.unpack(_recv_exact(sock, _PACKED_LEN.size))
+    rest -= _PACKED_LEN.size
+    if hlen > MAX_PACKED_HEADER or hlen > rest:
+        _skip(sock, rest)
+        raise MalformedMessage(f"packed frame header of {hlen} bytes does not fit")
+    rest -= hlen
+    try:
+        msg, counts = _packed_header(_recv_exact(sock, hlen), rest)
+    except MalformedMessage:
+        _skip(sock, rest)
+        raise
+    lists: list[array[int]] = []
+    for n in counts:
+        ids: array[int] = array(_U32, [0]) * n
+        with memoryview(ids) as view, view.cast("B") as raw:
+            _recv_into(sock, raw)
+        if sys.byteorder != "little":
+            ids.byteswap()
+        lists.append(ids)
+    return _place(msg, lists)
+
+
+def recv_frame(sock: socket.socket, limit: int = MAX_MESSAGE) -> bytearray:
     """The payload of one frame of at most ``limit`` bytes, unparsed (blocking; the socket's timeout applies).
     Raises ProtocolFailure (oversized: not read), ConnectionClosed or OSError."""
     (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
@@ -136,9 +288,22 @@ def recv_frame(sock: socket.socket, limit: int = MAX_MESSAGE) -> bytes:
 
 
 def recv_message(sock: socket.socket, limit: int = MAX_MESSAGE) -> dict[str, Any]:
-    """Read one JSON message of at most ``limit`` bytes (blocking; the socket's timeout applies). Raises
-    MalformedMessage (frame consumed: the stream is in sync), ProtocolFailure (oversized: not read) or OSError."""
-    return parse_message(recv_frame(sock, limit))
+    """Read one message of at most ``limit`` bytes, JSON or PACKED (blocking; the socket's timeout applies).
+    Raises MalformedMessage (frame consumed: the stream is in sync), ProtocolFailure (oversized: not read) or
+    OSError."""
+    (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    if size > limit:
+        raise ProtocolFailure(f"peer announced a {size}-byte message (limit {limit})")
+    if size < len(PACKED):
+        return parse_message(_recv_exact(sock, size))
+    magic = _recv_exact(sock, len(PACKED))
+    if magic == PACKED:
+        return _recv_packed(sock, size)
+    buf = bytearray(size)  # a JSON frame: read whole, once
+    buf[:len(PACKED)] = magic
+    with memoryview(buf) as view:
+        _recv_into(sock, view[len(PACKED):])
+    return parse_message(buf)
 
 
 def check_senders(raw: Any) -> dict[int, str]:
@@ -185,9 +350,15 @@ def check_worker_at(raw: Any) -> dict[int, tuple[str, int]]:
     return dict(sorted(out.items())[:MAX_WORKER_LINKS])
 
 
-def parse_message(raw: bytes) -> dict[str, Any]:
-    """A JSON object with a string ``type``, parsed only after :func:`guard_json` passed. Raises
-    MalformedMessage."""
+def parse_message(raw: bytes | bytearray) -> dict[str, Any]:
+    """A JSON object with a string ``type``, parsed only after :func:`guard_json` passed (a PACKED frame: its
+    header so, its block ids as arrays). Raises MalformedMessage."""
+    if raw[:len(PACKED)] == PACKED:
+        return _unpack_dst(raw)
+    return _json_object(raw)
+
+
+def _json_object(raw: bytes | bytearray) -> dict[str, Any]:
     guard_json(raw)
     try:
         msg = json.loads(raw)
@@ -226,11 +397,11 @@ def seal(msg: Mapping[str, Any], secret: bytes | None, nonce: bytes) -> bytes:
     return SEALED + tag + body
 
 
-def is_sealed(payload: bytes) -> bool:
+def is_sealed(payload: bytes | bytearray) -> bool:
     return payload[:len(SEALED)] == SEALED
 
 
-def unseal(payload: bytes, secret: bytes | None, nonce: bytes) -> dict[str, Any]:
+def unseal(payload: bytes | bytearray, secret: bytes | None, nonce: bytes) -> dict[str, Any]:
     """The message inside a sealed frame's ``payload``. Raises AuthFailure when a secret is set and the HMAC over
     our ``nonce`` is wrong (checked on the raw bytes before any of them is parsed) or the frame is not sealed,
     MalformedMessage for a bad body."""
@@ -254,6 +425,14 @@ def _ident(value: Any, what: str) -> str:
 def _count(value: Any, what: str, limit: int = 1 << 62) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
         raise MalformedMessage(f"{what} must be an integer in [0, {limit})")
+    return value
+
+
+def _ids(value: Any) -> Sequence[int]:
+    """A destination's block ids: an ``array('I')`` of at most MAX_BLOCKS from a PACKED frame (ids as JSON
+    numbers are refused: they cost the parser up to 9x their text)."""
+    if not isinstance(value, array) or value.typecode != _U32 or len(value) > MAX_BLOCKS:
+        raise MalformedMessage(f"block ids must come packed ({PACKED.decode()}), at most {MAX_BLOCKS}")
     return value
 
 
@@ -284,9 +463,8 @@ def check_message(msg: Mapping[str, Any]) -> dict[str, Any]:
         for d in _items(msg.get("dsts"), "dsts"):
             if not isinstance(d, dict):
                 raise MalformedMessage("a destination must be an object")
-            blocks = [_count(b, "block id", 1 << 40) for b in _items(d.get("blocks"), "blocks", MAX_BLOCKS)]
-            groups = [[_count(b, "block id", 1 << 40) for b in _items(g, "blocks", MAX_BLOCKS)]
-                      for g in _items(d.get("groups", []), "groups", MAX_GROUPS)]
+            blocks = _ids(d.get("blocks"))
+            groups = [_ids(g) for g in _items(d.get("groups", []), "groups", MAX_GROUPS)]
             dst = {"seq": _ident(d.get("seq"), "seq"), "blocks": blocks,
                    "offset": _count(d.get("offset", 0), "offset", 1 << 40)}
             if groups:  # hybrid models: the blocks of KV cache groups 1.., aligned with ``blocks``
