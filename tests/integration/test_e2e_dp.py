@@ -51,14 +51,14 @@ def dp_pair(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
     log_dir.mkdir(parents=True, exist_ok=True)
     env = base_env("ucx")
     kv = {"kv_connector": "KVTransportConnector", "kv_connector_extra_config": SLOW_HOST_BOUNDS}
-    pport, dport = free_port(), free_port()
+    pport, dport, bport = free_port(), free_port(), free_port()
+    pkv = {**kv, "kv_role": "kv_producer", "kv_connector_extra_config": {**SLOW_HOST_BOUNDS, "bootstrap_port": bport}}
     procs = {
-        "P": Proc("dp-prefill", vllm_cmd(tiny_model, pport, {**kv, "kv_role": "kv_producer"},
-                                         ["--data-parallel-size", "2"]), env, pport, log_dir),
+        "P": Proc("dp-prefill", vllm_cmd(tiny_model, pport, pkv, ["--data-parallel-size", "2"]), env, pport, log_dir),
         "D": Proc("dp-decode", vllm_cmd(tiny_model, dport, {**kv, "kv_role": "kv_consumer"}), env, dport, log_dir),
     }
     with running(procs, "e2e-dp (prefill at DP=2)", log_dir):
-        yield {"procs": procs, "env": env, "log_dir": log_dir}
+        yield {"procs": procs, "env": env, "log_dir": log_dir, "bootstrap": f"http://127.0.0.1:{bport}"}
 
 
 def complete(url: str, prompt: str, procs: tuple[Proc, ...]) -> list[int]:
@@ -104,3 +104,41 @@ def test_every_request_is_served_by_the_dp_engine_its_decode_asked(dp_pair: dict
     assert summary["transfers"] == len(prompts), summary
     assert sorted(sent) == ["0", "1"] and all(v > 0 for v in sent.values()), summary  # both engines pushed
     assert sum(sent.values()) == received > 0, summary
+
+
+def test_the_bootstrap_endpoint_maps_each_dp_rank_to_its_engine(dp_pair: dict[str, Any]) -> None:
+    """Mooncake's shape under DP, as llm-d's sidecar uses it: ``GET /query`` on DP engine 0's bootstrap port lists
+    both engines (engine 1 filed itself); a prefill leg pinned to rank 1 (X-data-parallel-rank) with a
+    ``transfer_id``, and a decode leg naming rank 1's engine, move the KV from engine 1, token-identical."""
+    import uuid
+
+    P, D = dp_pair["procs"]["P"], dp_pair["procs"]["D"]
+    answer = httpx.get(dp_pair["bootstrap"] + "/query", timeout=10).json()
+    assert sorted(answer) == ["0", "1"], answer
+    for rank, entry in answer.items():
+        engine, at = entry["engine_id"].split("@")
+        assert engine.endswith(f"_dp{rank}") and entry["worker_addr"] == {"0": {"0": at}}, answer
+    prompt = " ".join(f"w{k % 1000 + 4}" for k in range(3, 90, 2))
+    want = complete(P.url, prompt, (P,))
+    xfer = uuid.uuid4().hex
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
+    pbody = {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True, "transfer_id": xfer}}
+    dbody = {**body, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": xfer,
+                                            "remote_bootstrap_addr": dp_pair["bootstrap"],
+                                            "remote_engine_id": answer["1"]["engine_id"]}}
+    sent0 = per_engine(P.url, "vllm:kvtransport_bytes_sent_total")
+    with ThreadPoolExecutor(1) as ex:  # both legs at once, as the sidecar dispatches them
+        decode = ex.submit(httpx.post, D.url + "/v1/completions", json=dbody, timeout=600)
+        r = httpx.post(P.url + "/v1/completions", json=pbody, headers={"X-data-parallel-rank": "1"}, timeout=600)
+        assert r.status_code == 200, r.text
+        got = decode.result(timeout=600)
+    assert got.status_code == 200, f"{got.text}\n{why_failed((P, D))}"
+    assert list(got.json()["choices"][0]["token_ids"]) == want
+    deadline = time.monotonic() + 30
+    while True:
+        sent1 = per_engine(P.url, "vllm:kvtransport_bytes_sent_total")
+        moved = {e: sent1.get(e, 0.0) - sent0.get(e, 0.0) for e in sent1}
+        if moved.get("1", 0) > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert moved.get("1", 0) > 0 and moved.get("0", 0) == 0, moved  # engine 1 pushed, engine 0 did nothing

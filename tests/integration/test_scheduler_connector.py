@@ -1037,10 +1037,10 @@ def test_a_decodes_new_blocks_go_out_before_its_idle_wait(pair, monkeypatch) -> 
 
 def test_each_data_parallel_engine_gets_its_own_side_channel_port(tiny_model: str) -> None:
     """Issue 28: a fixed side_channel_port is a base, DP engine r listens on base + r (two DP engines of one
-    instance on one host collided on the base); 0 (any free port) stays 0; a bootstrap endpoint under DP is
-    refused at start-up with our message (it would show a router rank 0 only). Both shapes vLLM gives an engine:
+    instance on one host collided on the base); 0 (any free port) stays 0. Both shapes vLLM gives an engine:
     a MoE model's (data_parallel_size and _rank kept) and a dense model's (independent DP=1 engines: size 1,
-    rank 0, the rank only in data_parallel_index, ``_dp<rank>`` on the engine id)."""
+    rank 0, the rank only in data_parallel_index, ``_dp<rank>`` on the engine id). A bootstrap endpoint is refused
+    only where no engine could be pinned (the hybrid and external balancers with a dense model)."""
     import dataclasses
 
     from kvtransport_vllm.config import resolve_settings
@@ -1062,11 +1062,15 @@ def test_each_data_parallel_engine_gets_its_own_side_channel_port(tiny_model: st
         assert per_dp_engine(resolve_settings({}, env={}), cfg, engine).side_channel_port == 0
         with pytest.raises(ValueError, match=r"past 65535"):
             per_dp_engine(dataclasses.replace(base, side_channel_port=65534), cfg, engine)
-        with pytest.raises(ValueError, match=r"bootstrap endpoint \(bootstrap_port=8998\) serves one engine, and "
-                                             r"this instance runs data_parallel_size=(4|N>1)"):
-            per_dp_engine(resolve_settings({"bootstrap_port": 8998}, env={}), cfg, "e_dp0")
+        # the internal balancer: DP engine 0 serves the bootstrap endpoint for every engine (bootstrap.DPRegistry)
+        boot = resolve_settings({"bootstrap_port": 8998}, env={})
+        assert per_dp_engine(boot, cfg, "e_dp0").bootstrap_port == 8998
     # the hybrid and external balancers front a node's engines: no header without a known local count
     pc.data_parallel_hybrid_lb = True
     assert dp_route(cfg, "e_dp3") == (0, 1)  # dense: the local count is unknown
+    with pytest.raises(ValueError, match=r"bootstrap endpoint \(bootstrap_port=8998\) maps DP ranks to engines .* "
+                                         r"--data-parallel-hybrid-lb or --data-parallel-external-lb"):
+        per_dp_engine(boot, cfg, "e_dp3")
     pc.data_parallel_size, pc.data_parallel_rank, pc.data_parallel_size_local = 4, 3, 2
     assert dp_route(cfg, "e_dp3") == (1, 2)  # MoE: rank 3 is the second of its node's two engines
+    assert per_dp_engine(boot, cfg, "e_dp3").bootstrap_port == 8998

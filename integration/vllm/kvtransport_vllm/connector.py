@@ -99,9 +99,11 @@ CP_UNSUPPORTED = ("KVTransportConnector does not support context parallelism ({n
 
 
 DP_BOOTSTRAP_UNSUPPORTED = (
-    "KVTransportConnector's bootstrap endpoint (bootstrap_port={port}) serves one engine, and this instance runs "
-    "data_parallel_size={dp}: a router reading it would see rank 0 only; run the prefill with "
-    "data_parallel_size=1 behind such a router, or leave bootstrap_port unset (kvtransport-proxy or the NIXL shape)")
+    "KVTransportConnector's bootstrap endpoint (bootstrap_port={port}) maps DP ranks to engines for a router that "
+    "pins its prefill legs with X-data-parallel-rank through vLLM's internal load balancer; this instance balances "
+    "with --data-parallel-hybrid-lb or --data-parallel-external-lb, where a dense model's engine cannot tell its "
+    "index: run the prefill with the internal balancer (the default) behind such a router, or leave bootstrap_port "
+    "unset (kvtransport-proxy or the NIXL shape)")
 
 
 def dp_position(vllm_config: VllmConfig, engine_id: str = "") -> tuple[int, int]:
@@ -128,12 +130,12 @@ def dp_position(vllm_config: VllmConfig, engine_id: str = "") -> tuple[int, int]
 def per_dp_engine(settings: ConnectorSettings, vllm_config: VllmConfig, engine_id: str = "") -> ConnectorSettings:
     """``settings`` for this data-parallel engine: a fixed side-channel port is the base, each DP engine listens
     on base + its DP rank (two engines of one instance on one host would collide on the base). Raises
-    ValueError for a bootstrap endpoint under data parallelism (see DP_BOOTSTRAP_UNSUPPORTED)."""
+    ValueError for a bootstrap endpoint under a DP balancer it cannot serve (see DP_BOOTSTRAP_UNSUPPORTED)."""
     import dataclasses
 
     index, size = dp_position(vllm_config, engine_id)
-    if size != 1 and settings.bootstrap_port:
-        raise ValueError(DP_BOOTSTRAP_UNSUPPORTED.format(port=settings.bootstrap_port, dp=size or "N>1"))
+    if size != 1 and settings.bootstrap_port and dp_route(vllm_config, engine_id)[1] == 1:
+        raise ValueError(DP_BOOTSTRAP_UNSUPPORTED.format(port=settings.bootstrap_port))
     if not settings.side_channel_port or not index:
         return settings
     port = settings.side_channel_port + index

@@ -28,10 +28,11 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections.abc import Callable
 from typing import Any
 
 from . import trace
-from .bootstrap import BootstrapServer, query_answer
+from .bootstrap import BootstrapServer, DPRegistry, dp_query_answer, query_answer
 from .config import ConnectorSettings
 from .consumer import PREFILL_LOST, Consumer, _FirstWait, _Recv, append_prompt_token, new_blocks
 from .metadata import (
@@ -114,6 +115,7 @@ class SchedulerSide:
         self.port = 0
         self.server: SideChannelServer | None = None
         self.bootstrap: BootstrapServer | None = None
+        self.dp_registry: DPRegistry | None = None  # DP engines: where they file for the bootstrap endpoint
         trace.set_role("prefill" if producer else "decode")
         # decode engines that said hello (prefill role)
         self.peer_workers: dict[str, dict[int, bytes]] = {}
@@ -143,13 +145,35 @@ class SchedulerSide:
             log.info("kvtransport connector: side channel of engine %s on %s:%d", engine_id, self.host, self.port)
             if settings.bootstrap_port:  # Mooncake's endpoint, for the routers that speak its shape
                 try:
-                    self.bootstrap = BootstrapServer(self.host, settings.bootstrap_port,
-                                                     lambda: query_answer(engine_id, self.host, self.port))
+                    self._start_bootstrap(settings.bootstrap_port)
                 except BaseException:
                     self.server.close()
                     raise
-                log.info("kvtransport connector: Mooncake bootstrap endpoint on http://%s:%d/query", self.host,
-                         self.bootstrap.port)
+
+    def _start_bootstrap(self, port: int) -> None:
+        """Mooncake's ``/query`` endpoint (bootstrap.py). Under data parallelism DP engine 0 serves it for every
+        engine of the instance and the others file themselves in the instance's DPRegistry. Raises OSError or
+        TimeoutError (the port taken, say)."""
+        def own() -> dict[str, Any]:
+            return query_answer(self.engine_id, self.host, self.port, self.dp_index)
+
+        answer: Callable[[], dict[str, Any]] = own
+        if self.dp_count != 1:
+            registry = self.dp_registry = DPRegistry(self.engine_id)
+            if self.dp_index:
+                registry.register(self.dp_index, self.engine_id, self.host, self.port)
+                log.info("kvtransport connector: DP engine %d filed for the bootstrap endpoint of DP engine 0 "
+                         "(port %d)", self.dp_index, port)
+                return
+
+            def every_engine() -> dict[str, Any]:
+                return dp_query_answer(own(), registry)
+
+            answer = every_engine
+
+        self.bootstrap = BootstrapServer(self.host, port, answer)
+        log.info("kvtransport connector: Mooncake bootstrap endpoint on http://%s:%d/query", self.host,
+                 self.bootstrap.port)
 
     # ------------------------------------------------------------------ compatibility, hello, geometry
     def set_worker_metadata(self, meta: dict[int, dict[str, Any]]) -> None:
@@ -458,6 +482,8 @@ class SchedulerSide:
         return out
 
     def shutdown(self) -> None:
+        if self.dp_registry is not None:
+            self.dp_registry.remove()
         if self.bootstrap is not None:
             self.bootstrap.close()
         if self.server is not None:
