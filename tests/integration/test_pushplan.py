@@ -223,6 +223,67 @@ def test_a_second_engine_claiming_a_bound_request_is_refused() -> None:
     assert p.layer(0) == [] and p.layer(1) == [] and p.step_end() == []  # cancelled: nothing more goes
 
 
+def test_a_cancelled_destination_never_binds_again() -> None:
+    """Issue 29's race: the scheduler refused an early destination and its cancel reached the worker before the
+    decode's direct copy of it did. The copy is refused ("cancelled") and nothing is ever put into those blocks,
+    also when its prefill request comes with a computed prefix; another request of the transfer is served."""
+    p = PushPlanner([0, 0], 4, lambda e: None)
+    p.cancel("x", "gone")
+    assert p.bind(Bind("x", "D", "gone", (7, 8), 0))[1] == "cancelled"
+    assert p.bind(Bind("x", "D", "kept", (5, 6), 0))[1] == "pending"
+    ops = p.step([SourceStep("r", "x", 8, ((1, 2),), 4, 8)])  # block 1 came from the prefix cache: due at once
+    assert [(o.push.seq, o.push.dst) for o in ops] == [("kept", (5,))]
+    assert p.bind(Bind("x", "D", "gone", (7, 8), 0))[1] == "cancelled"  # the plan's copy, later: the same
+    ops = p.layer(0) + p.layer(1) + p.step_end()
+    assert {o.push.seq for o in ops} == {"kept"} and p.counts["cancelled"] == 2
+
+
+def test_a_cancel_before_its_step_drops_the_early_destination() -> None:
+    """The pusher applies a plan's cancels before its step: an early destination held here and cancelled in the
+    plan that also starts its request gets nothing, not even the computed prefix the step would put at once."""
+    p = PushPlanner([0], 4, lambda e: None)
+    assert p.bind(Bind("x", "D", "s", (7, 8), 0))[1] == "pending"
+    p.cancel("x", "s")
+    assert p.step([SourceStep("r", "x", 8, ((1, 2),), 4, 8)]) == [] and p.layer(0) == [] and p.step_end() == []
+
+
+def test_the_pusher_applies_a_plans_cancels_first() -> None:
+    from kvtransport_vllm.pusher import Pusher
+
+    calls: list[str] = []
+
+    class Recorder:
+        def cancel(self, xfer: str, seq: str) -> None:
+            calls.append(f"cancel {seq}")
+
+        def step(self, sources: Any, now: float) -> list[Any]:
+            calls.append("step")
+            return []
+
+        def bind(self, b: Bind, now: float) -> tuple[list[Any], str]:
+            calls.append(f"bind {b.seq}")
+            return [], "cancelled"
+
+        def forget(self, rid: str) -> None:
+            calls.append(f"forget {rid}")
+
+    pusher = Pusher.__new__(Pusher)  # only the plan's dispatch is under test
+    pusher.planner = Recorder()  # type: ignore[assignment]
+    pusher._run_ops = lambda ops: None  # type: ignore[method-assign]
+    pusher._do(("plan", [SourceStep("r", "x", 8, ((1, 2),), 0, 8)], [Bind("x", "D", "b", (3,), 0)],
+                [("x", "c")], ["old"]))
+    assert calls == ["cancel c", "step", "bind b", "forget old"]
+
+
+def test_cancelled_pairs_are_remembered_within_a_bound() -> None:
+    p = PushPlanner([0], 4, lambda e: None)
+    for i in range(plan_mod.MAX_CANCELLED + 5):
+        p.cancel("x", f"s{i}")
+    assert len(p.cancelled) == plan_mod.MAX_CANCELLED
+    assert p.bind(Bind("x", "D", "s4", (1,), 0))[1] == "pending"  # the oldest were forgotten
+    assert p.bind(Bind("x", "D", "s5", (1,), 0))[1] == "cancelled"
+
+
 def test_pull_mode_puts_only_once_the_prompt_is_computed() -> None:
     run = Run(3, 4, 10, 0, [4], layerwise=False)
     ev = run.events()

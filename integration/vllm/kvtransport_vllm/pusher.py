@@ -210,11 +210,13 @@ class Pusher:
         elif kind == "plan":  # the step's sources, destinations the scheduler learnt, cancels, given-up sources
             _, sources, binds, cancels, dropped = job
             now = time.monotonic()
+            # cancels first: an early destination the scheduler refused must not bind to this step's source (its
+            # computed prefix would be put at once) nor come back with this plan's binds
+            for xfer, seq in cancels:
+                self.planner.cancel(xfer, seq)
             self._run_ops(self.planner.step(sources, now) if sources else [])
             for b in binds:
                 self._bind(b, now)
-            for xfer, seq in cancels:
-                self.planner.cancel(xfer, seq)
             for rid in dropped:
                 self.planner.forget(rid)
         elif kind == "layer":

@@ -107,6 +107,11 @@ class _Orphans:
     """xfer -> destinations held for it"""
 
 
+MAX_CANCELLED = 16384
+"""Cancelled (transfer, request) pairs a worker remembers, so that a copy of the destination that comes after the
+cancel is refused (a decode request's id is never reused after it finished). ~100 bytes each: ~1.6 MiB."""
+
+
 def orphan_cost(b: Bind) -> int:
     """What early destination ``b`` costs (block ids of every KV cache group, plus ORPHAN_ENTRY_COST)."""
     return ORPHAN_ENTRY_COST + len(b.blocks) + sum(len(g) for g in b.groups)
@@ -145,7 +150,11 @@ class PushPlanner:
         self.pending: OrderedDict[str, dict[tuple[str, str], tuple[float, Bind]]] = OrderedDict()
         self._orphans: dict[str, _Orphans] = {}  # decode engine -> its early destinations
         self.orphan_total = 0  # what every engine's early destinations cost together
-        self.counts: dict[str, int] = {BEFORE: 0, DURING: 0, AFTER: 0, "refused": 0, "duplicate": 0, "evicted": 0}
+        self.counts: dict[str, int] = {BEFORE: 0, DURING: 0, AFTER: 0, "refused": 0, "duplicate": 0, "evicted": 0,
+                                       "cancelled": 0}
+        # (xfer, seq) cancelled here (the decode gave the request up, or its early destination was refused): a copy
+        # of its destination that comes later (the decode's direct channel races the scheduler's plan) never binds
+        self.cancelled: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     # ------------------------------------------------------------------ events (pusher thread, in order)
     def step(self, steps: Iterable[SourceStep], now: float = 0.0) -> list[Op]:
@@ -202,7 +211,11 @@ class PushPlanner:
     def bind(self, b: Bind, now: float = 0.0) -> tuple[list[Op], str]:
         """A destination arrived (from the scheduler's plan or straight from the decode). Returns the puts and
         signal it makes due now, and what happened: ``before`` / ``during`` / ``after`` (its source's forward),
-        ``duplicate`` (bound already), ``pending`` (its source is not known here yet) or ``refused: why``."""
+        ``duplicate`` (bound already), ``pending`` (its source is not known here yet), ``cancelled`` (it was, here:
+        nothing is ever put into blocks its decode gave up) or ``refused: why``."""
+        if (b.xfer, b.seq) in self.cancelled:
+            self.counts["cancelled"] += 1
+            return [], "cancelled"
         src = self.sources.get(b.xfer)
         if src is None:
             return [], self._hold(b, now)
@@ -233,7 +246,12 @@ class PushPlanner:
         return ops, phase
 
     def cancel(self, xfer: str, seq: str) -> None:
-        """No more puts to ``seq`` (the decode cancelled it, or another engine owns it)."""
+        """No more puts to ``seq`` (the decode cancelled it, or another engine owns it), now or from a copy of its
+        destination that comes later (remembered: the last MAX_CANCELLED)."""
+        self.cancelled[(xfer, seq)] = None
+        self.cancelled.move_to_end((xfer, seq))
+        while len(self.cancelled) > MAX_CANCELLED:
+            self.cancelled.popitem(last=False)
         src = self.sources.get(xfer)
         if src is not None and seq in src.dsts:
             src.dsts[seq].cancelled = True
