@@ -593,14 +593,13 @@ class PeerClient:
             send_frame(sock, seal({**self._hello(), "nonce": ours_nonce.hex()}, self._secret,
                                   parse_nonce(challenge.get("nonce"))))
             payload = recv_frame(sock, MAX_HELLO)
-            frame = {"type": "welcome"} if is_sealed(payload) else parse_message(payload)
-            if frame.get("type") == "refuse":
-                reason = f"prefill {self.label} refused us: {str(frame.get('reason'))[:2000]}"
-                if frame.get("retry") is True:
-                    raise _Retry(reason)
-                raise ProtocolFailure(reason)
-            if frame.get("type") != "welcome":
-                raise ProtocolFailure(f"unexpected handshake reply {str(frame.get('type'))[:32]!r} from {self.label}")
+            if not is_sealed(payload):  # a refusal comes unsealed; anything else unsealed fails unseal() below
+                frame = parse_message(payload)
+                if frame.get("type") == "refuse":
+                    reason = f"prefill {self.label} refused us: {str(frame.get('reason'))[:2000]}"
+                    if frame.get("retry") is True:
+                        raise _Retry(reason)
+                    raise ProtocolFailure(reason)
             try:
                 reply = unseal(payload, self._secret, ours_nonce)
             except AuthFailure:
