@@ -81,12 +81,24 @@ class Decode:
         reply.send(200, b'{"choices": [{"text": " w7 ok"}]}')
 
 
-def run(prefill: DPPrefill, requests: int, first_token: str = "decode") -> tuple[Decode, dict[str, Any], str]:
-    decode = Decode()
+class Outcome:
+    """What a run through the proxy saw: each request's status, ``/health``, ``/metrics``, the proxy's prefill
+    entries' DP ranks, and the decode."""
 
-    async def main() -> tuple[dict[str, Any], str]:
+    def __init__(self, decode: Decode) -> None:
+        self.decode = decode
+        self.codes: list[int] = []
+        self.health: dict[str, Any] = {}
+        self.metrics = ""
+        self.ranks: list[int | None] = []
+
+
+def run(prefill: DPPrefill, requests: int, first_token: str = "decode") -> Outcome:
+    out = Outcome(Decode())
+
+    async def main() -> None:
         p = await http11.Server(prefill.handle).start("127.0.0.1", 0)
-        d = await http11.Server(decode.handle).start("127.0.0.1", 0)
+        d = await http11.Server(out.decode.handle).start("127.0.0.1", 0)
         proxy = proxy_mod.Proxy([f"http://127.0.0.1:{p.port}"], [f"http://127.0.0.1:{d.port}"],
                                 first_token=first_token, health_interval=None)
         server = await proxy.serve("127.0.0.1", 0)
@@ -94,10 +106,10 @@ def run(prefill: DPPrefill, requests: int, first_token: str = "decode") -> tuple
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=30) as client:
                 for _ in range(requests):
                     r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4})
-                    assert r.status_code == 200, r.text
-                health = (await client.get("/health")).json()
-                metrics = (await client.get("/metrics")).text
-            return health, metrics
+                    out.codes.append(r.status_code)
+                out.health = (await client.get("/health")).json()
+                out.metrics = (await client.get("/metrics")).text
+            out.ranks = [i.dp_rank for i in proxy.prefill]
         finally:
             await server.aclose()
             await proxy.close()
@@ -105,10 +117,10 @@ def run(prefill: DPPrefill, requests: int, first_token: str = "decode") -> tuple
             await d.aclose()
 
     try:
-        health, metrics = asyncio.run(main())
+        asyncio.run(main())
     finally:
         prefill.close()
-    return decode, health, metrics
+    return out
 
 
 @pytest.mark.parametrize("first_token, told", [("decode", 3), ("prefill", 3), ("decode", 0)])
@@ -116,7 +128,9 @@ def test_every_prefill_leg_runs_on_the_engine_its_decode_was_given(first_token: 
     """``told`` 3: the engines know their count (a MoE model); 0: they do not (a dense one), and the proxy asks
     the API server for each rank until it refuses one."""
     prefill = DPPrefill(3, told=told)
-    decode, health, metrics = run(prefill, 9, first_token)
+    out = run(prefill, 9, first_token)
+    decode, health, metrics = out.decode, out.health, out.metrics
+    assert out.codes == [200] * 9
     assert len(decode.told) == 9 and decode.told.keys() == prefill.legs.keys()
     for xfer, rank in prefill.legs.items():
         assert decode.told[xfer] == prefill.port(rank), (xfer, rank)
@@ -135,7 +149,9 @@ def test_every_prefill_leg_runs_on_the_engine_its_decode_was_given(first_token: 
 
 def test_one_engine_behind_the_url_sends_no_header() -> None:
     prefill = DPPrefill(1)
-    decode, health, _ = run(prefill, 3)
+    out = run(prefill, 3)
+    decode, health = out.decode, out.health
+    assert out.codes == [200] * 3
     assert prefill.headers == [None] * 4  # discovery + 3 legs
     assert all(decode.told[x] == prefill.port(0) for x in prefill.legs)
     assert health["prefill"] == [health["prefill"][0]] and "#" not in health["prefill"][0]
@@ -160,31 +176,8 @@ def test_an_api_server_that_ignores_the_header_gets_no_pinned_legs(told: int) ->
     engine 0 serves (its answers come from engine 0 anyway); an unknown one: the question for engine 1 fails the
     whole discovery, nothing stays pinned, and the URL is out (503)."""
     prefill = DPPrefill(2, honour=False, told=told)
-    decode = Decode()
-
-    async def main() -> tuple[list[int], dict[str, Any], list[int | None]]:
-        p = await http11.Server(prefill.handle).start("127.0.0.1", 0)
-        d = await http11.Server(decode.handle).start("127.0.0.1", 0)
-        proxy = proxy_mod.Proxy([f"http://127.0.0.1:{p.port}"], [f"http://127.0.0.1:{d.port}"],
-                                first_token="decode", health_interval=None)
-        server = await proxy.serve("127.0.0.1", 0)
-        try:
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=30) as client:
-                codes = [(await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi",
-                                                                     "max_tokens": 4})).status_code
-                         for _ in range(3)]
-                health = (await client.get("/health")).json()
-            return codes, health, [i.dp_rank for i in proxy.prefill]
-        finally:
-            await server.aclose()
-            await proxy.close()
-            await p.aclose()
-            await d.aclose()
-
-    try:
-        codes, health, ranks = asyncio.run(main())
-    finally:
-        prefill.close()
+    out = run(prefill, 3)
+    codes, health, ranks, decode = out.codes, out.health, out.ranks, out.decode
     (name, why), = health["down"].items()
     assert "x-data-parallel-rank" in why, health
     if told:
