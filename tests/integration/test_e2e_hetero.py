@@ -127,7 +127,7 @@ def check_pair(instances: dict[str, Any], prefill: str, decode: str, seed: int,
     try:
         warm_up(proxy.url, f"{prefill}->{decode}", (P, D, proxy))
         # every transfer of this module succeeds: once quiet, all that the prefills sent was counted as received
-        pre, dec = ["P1", "P2"], ["D1", "D2"]
+        pre, dec = sorted(k for k in procs if k.startswith("P")), sorted(k for k in procs if k.startswith("D"))
         sent0, got0 = settled([procs[k].url for k in pre], [procs[k].url for k in dec], balanced=True)
         p0, d0 = sent0[pre.index(prefill)], got0[dec.index(decode)]
         t0 = time.monotonic()
