@@ -284,6 +284,42 @@ def test_cancelled_pairs_are_remembered_within_a_bound() -> None:
     assert p.bind(Bind("x", "D", "s5", (1,), 0))[1] == "cancelled"
 
 
+def test_a_destination_cancelled_in_the_middle_of_a_push_gets_nothing_more_and_no_signal() -> None:
+    """Issue 32: the decode gives a request up while its layers are being pushed: the layers already put stay
+    put, no later layer goes, and no signal is ever sent (the decode would otherwise count a landing)."""
+    p = PushPlanner([0, 0, 0], 4, lambda e: None)
+    p.step([SourceStep("r", "x", 8, ((1, 2),), 0, 8)])
+    assert p.bind(Bind("x", "D", "s", (7, 8), 0))[1] == "before"
+    first = p.layer(0)
+    assert [(o.layers, o.push.dst) for o in first] == [((0,), (7, 8))]
+    p.cancel("x", "s")
+    assert p.layer(1) == [] and p.layer(2) == [] and p.step_end() == []
+
+
+def test_the_decodes_null_block_is_never_written() -> None:
+    """Issue 32: a hybrid decode whose sliding-window group points some blocks at vLLM's null block (0): the
+    prefill puts nothing there (the null block is shared by every request), and the rest lands as planned."""
+    p = PushPlanner([0, 1], 4, lambda e: None)  # layer 0: full attention, layer 1: the sliding window group
+    p.step([SourceStep("r", "x", 12, ((1, 2, 3), (NULL_BLOCK, 5, 6)), 0, 12)])
+    ops, phase = p.bind(Bind("x", "D", "s", (21, 22, 23), 0, ((NULL_BLOCK, NULL_BLOCK, 33),)))
+    assert phase == "before" and ops == []
+    ops = p.layer(0) + p.layer(1) + p.step_end()
+    puts = {(o.push.group, o.layers): o.push.dst for o in ops if isinstance(o, PutOp)}
+    assert puts == {(0, (0,)): (21, 22, 23), (1, (1,)): (33,)}, puts
+    assert all(NULL_BLOCK not in o.push.dst for o in ops if isinstance(o, PutOp))
+    assert [o.kind for o in ops if isinstance(o, SignalOp)] == ["layerwise"]
+
+
+def test_a_decode_with_fewer_kv_groups_than_the_prefill_is_refused() -> None:
+    """Issue 32: a decode that sends one group's blocks to a prefill with two (another HMA setting): refused,
+    nothing put."""
+    p = PushPlanner([0, 1], 4, lambda e: None)
+    p.step([SourceStep("r", "x", 8, ((1, 2), (3, 4)), 0, 8)])
+    ops, what = p.bind(Bind("x", "D", "s", (7, 8), 0))
+    assert ops == [] and what.startswith("refused: KV cache groups differ: decode 1, prefill 2"), what
+    assert p.layer(0) == [] and p.layer(1) == [] and p.step_end() == []
+
+
 def test_pull_mode_puts_only_once_the_prompt_is_computed() -> None:
     run = Run(3, 4, 10, 0, [4], layerwise=False)
     ev = run.events()
