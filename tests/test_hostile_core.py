@@ -350,7 +350,8 @@ def test_checksum_records_are_counted_and_bounded_in_bytes() -> None:
             peer._state.conn.send(FrameType.CHECKSUM,
                                   wire.encode_checksum(f"c{i}", 0, 0, [BlockRun(0, 1, 2)] * RUNS_PER_RECORD))
         deadline = time.monotonic() + 20
-        while ib._pending_checksums < fit and time.monotonic() < deadline:
+        # the reader counts a record, then its bytes: poll both (a loaded CI host read them between the two)
+        while (ib._pending_checksums, ib._pending_checksum_bytes) != (fit, fit * per) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert (ib._pending_checksums, ib._pending_checksum_bytes) == (fit, fit * per)
         assert s.instance in r.inbound_peers()
@@ -363,7 +364,8 @@ def test_checksum_records_are_counted_and_bounded_in_bytes() -> None:
         ib2 = inbound_of(r, good.instance)
         good.put_layer(p2, "fine", 0, [0, 1], [2, 3])
         good.flush(p2, timeout=10)
-        while ib2._pending_checksums < 1 and time.monotonic() < deadline:
+        want = (1, 24 + receiving.CHECKSUM_RECORD_OVERHEAD)
+        while (ib2._pending_checksums, ib2._pending_checksum_bytes) != want and time.monotonic() < deadline:
             time.sleep(0.01)
         assert (ib2._pending_checksums, ib2._pending_checksum_bytes) == (1, 24 + receiving.CHECKSUM_RECORD_OVERHEAD)
         good.signal(p2, "fine")
