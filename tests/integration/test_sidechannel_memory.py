@@ -297,3 +297,23 @@ def test_an_authenticated_peers_message_of_block_ids_costs_at_most_twice_its_siz
         s.close()
     finally:
         child.close()
+
+
+def test_packed_frames_off_a_socket_round_trip_and_a_bad_one_leaves_the_stream_in_sync() -> None:
+    """The socket path (ids read straight into their arrays): empty lists and groups come back as sent; a packed
+    frame whose header does not add up is refused whole, and the next message is read as it was sent."""
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(10)
+        msg = {"type": "dst", "xfer": "x", "mode": "push", "dsts": [
+            {"seq": "s", "blocks": [], "offset": 0, "groups": [[], [5]]}, {"seq": "t", "blocks": [1, 2], "offset": 1}]}
+        a.sendall(proto.encode_message(msg))
+        assert proto.as_lists(proto.check_message(proto.recv_message(b))) == msg
+        for bad in (packed({"type": "dst", "xfer": "x", "dsts": [{"seq": "s", "n": 1}]}, b"\0" * 8),
+                    packed({"type": "dst", "xfer": "x", "dsts": [{"seq": "s", "n": 3}]}, b"\0" * 8),
+                    proto.PACKED + struct.pack("<I", 99) + b"{}",
+                    proto.PACKED + b"\1"):
+            a.sendall(struct.pack("!I", len(bad)) + bad + proto.encode_message({"type": "renew", "xfers": ["y"]}))
+            with pytest.raises(proto.MalformedMessage):
+                proto.recv_message(b)
+            assert proto.recv_message(b) == {"type": "renew", "xfers": ["y"]}
