@@ -464,3 +464,31 @@ def test_a_connect_the_decode_broke_off_is_tried_again(pd, monkeypatch) -> None:
     assert p.take_send_failures() == []
     for name in src:
         assert torch.equal(src[name][1], dst[name][41]) and torch.equal(src[name][2], dst[name][42])
+
+
+def test_the_decodes_slots_come_back_after_every_landing_past_its_capacity() -> None:
+    """Issue 32: a decode whose receiver has 4 sequence slots takes 10 requests one after another: every one
+    lands byte-exact and, once reported, holds no slot (a leak would refuse the fifth)."""
+    src, dst = vllm_like_cache(2), vllm_like_cache(None)
+    p, d = worker(src), worker(dst, transfer_timeout=60, backend_options={"capacity": 4})
+    try:
+        meta = d.handshake()["metadata"]
+        assert d.cm is not None and d.cm.stats()["capacity"] == 4
+        for i in range(10):
+            s_ids, d_ids = (1 + i % 5, 6 + i % 3), (20 + i, 40 + i)
+            d.bind(StepPlan(recv_start={f"d{i}": 30}))
+            peers = {"D": {0: meta}} if i == 0 else {}
+            step(p, StepPlan(peers=peers, sources=[source(f"p{i}", s_ids)], binds=[dest(f"p{i}", f"d{i}", d_ids)]),
+                 src)
+            r = poll(d, "finished_recving", f"d{i}")
+            assert f"d{i}" not in r.failed_recving
+            for name in src:
+                for s, t in zip(s_ids, d_ids, strict=True):
+                    assert torch.equal(src[name][s], dst[name][t]), (i, name)
+            p.bind(StepPlan(send_release=[f"p{i}"]))
+            poll(p, "finished_sending", f"p{i}")
+            assert d.cm.stats()["slots_in_use"] == 0, (i, d.cm.stats())
+        assert d.stats_delta()["transfers_received"] == 10
+    finally:
+        p.shutdown()
+        d.shutdown()
