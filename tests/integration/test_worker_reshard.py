@@ -103,17 +103,22 @@ def test_geometry_of_vllm_views() -> None:
     assert describe(cache(2, 16, "NH"), 0, cpu_attn=True) is None
 
 
-@pytest.mark.parametrize(("ptp", "dtp", "pbs", "dbs", "dorder"), [
-    (2, 1, 16, 16, "HN"),  # TP2 -> TP1: the decode rank hears from both prefill ranks (two parts)
-    (1, 2, 16, 16, "HN"),  # TP1 -> TP2: the prefill rank sends each decode rank its head
-    (2, 2, 16, 32, "HN"),  # like TP, block size ratio 2
-    (1, 2, 32, 16, "NH"),  # TP split, block size ratio 1/2, HND -> NHD (one run per token)
-    (1, 4, 16, 16, "HN"),  # decode TP above the KV head count: each head replicated on two ranks
-    (4, 1, 16, 16, "HN"),  # prefill replicates: each head taken from one replica
-    (2, 1, 16, 32, "CPU"),  # vLLM's CPU attention layout on both sides (K transposed per block)
-    (1, 2, 32, 16, "CPU"),
+@pytest.mark.parametrize(("ptp", "dtp", "pbs", "dbs", "dorder", "pstart"), [
+    (2, 1, 16, 16, "HN", 0),  # TP2 -> TP1: the decode rank hears from both prefill ranks (two parts)
+    (1, 2, 16, 16, "HN", 0),  # TP1 -> TP2: the prefill rank sends each decode rank its head
+    (2, 2, 16, 32, "HN", 0),  # like TP, block size ratio 2
+    (1, 2, 32, 16, "NH", 0),  # TP split, block size ratio 1/2, HND -> NHD (one run per token)
+    (1, 4, 16, 16, "HN", 0),  # decode TP above the KV head count: each head replicated on two ranks
+    (4, 1, 16, 16, "HN", 0),  # prefill replicates: each head taken from one replica
+    (2, 1, 16, 32, "CPU", 0),  # vLLM's CPU attention layout on both sides (K transposed per block)
+    (1, 2, 32, 16, "CPU", 0),
+    # the prefill's first step starts past token 0 (its prefix cache held the first block): the prefix it did
+    # not compute here still goes, from its cached blocks (issue 32)
+    (1, 2, 32, 16, "NH", 32),
+    (2, 1, 16, 32, "CPU", 16),
 ])
-def test_unlike_workers_move_exactly_the_prompt(ptp: int, dtp: int, pbs: int, dbs: int, dorder: str) -> None:
+def test_unlike_workers_move_exactly_the_prompt(ptp: int, dtp: int, pbs: int, dbs: int, dorder: str,
+                                                pstart: int) -> None:
     prompt = 45  # several blocks on both sides, the last one partial
     values = truth(prompt)
     cpu = dorder == "CPU"
@@ -135,8 +140,10 @@ def test_unlike_workers_move_exactly_the_prompt(ptp: int, dtp: int, pbs: int, db
         # computed goes at once, the rest layer by layer
         cut = 20
         for r, p in enumerate(ps):
-            for lo, hi, binds in ((0, cut, []), (cut, prompt, [Bind("preq", "D", "dreq", tuple(dst_blocks), dst_offset)])):
-                p.bind(StepPlan(peers={"D": metas} if lo == 0 else {}, peer_geometry={"D": geo} if lo == 0 else {},
+            for lo, hi, binds in ((pstart, cut, []),
+                                  (cut, prompt, [Bind("preq", "D", "dreq", tuple(dst_blocks), dst_offset)])):
+                p.bind(StepPlan(peers={"D": metas} if lo == pstart else {},
+                                peer_geometry={"D": geo} if lo == pstart else {},
                                 sources=[SourceStep("preq", "preq", prompt, (tuple(src_blocks),), lo, hi)],
                                 binds=binds))
                 for name, t in pcaches[r].items():
