@@ -492,3 +492,36 @@ def test_the_decodes_slots_come_back_after_every_landing_past_its_capacity() -> 
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def test_finished_sending_waits_for_a_one_sided_links_completion() -> None:
+    """Issue 32: over ucx (one-sided puts: a put returns before its bytes landed) the prefill may report a request
+    "finished sending" (vLLM then frees and reuses its blocks) only after the link's flush returned. The flush is
+    slowed by 0.5 s here: the report must come after it, never before."""
+    src, dst = vllm_like_cache(3), vllm_like_cache(None)
+    p, d = worker(src, backend="ucx"), worker(dst, backend="ucx", transfer_timeout=60)
+    try:
+        assert p.cm is not None and p.cm.capabilities.one_sided
+        meta = d.handshake()["metadata"]
+        d.bind(StepPlan(recv_start={"dreq": 30}))
+        step(p, StepPlan(peers={"D": {0: meta}}, sources=[source("preq", (1, 2))], binds=[dest("preq", "dreq", (5, 6))]),
+             src)
+        poll(d, "finished_recving", "dreq")
+        flushed: list[float] = []
+        real_flush = p.cm.flush
+
+        def slow_flush(peer: object, timeout: float | None = None) -> None:
+            time.sleep(0.5)
+            real_flush(peer, timeout=timeout)
+            flushed.append(time.monotonic())
+
+        p.cm.flush = slow_flush  # type: ignore[method-assign]
+        p.bind(StepPlan(send_release=["preq"]))
+        poll(p, "finished_sending", "preq")
+        reported = time.monotonic()
+        assert len(flushed) == 1 and flushed[0] <= reported, (flushed, reported)
+        for name in src:
+            assert torch.equal(src[name][1], dst[name][5]) and torch.equal(src[name][2], dst[name][6])
+    finally:
+        p.shutdown()
+        d.shutdown()
