@@ -525,3 +525,32 @@ def test_finished_sending_waits_for_a_one_sided_links_completion() -> None:
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def test_a_release_while_the_connect_is_pending_waits_for_the_puts(pd, monkeypatch) -> None:
+    """Issue 32: vLLM releases a prefill request (it would reuse its blocks) while the worker's connect to the
+    decode is still pending and the request's puts wait for it. "Finished sending" must wait for the connect and
+    the puts: reported before, vLLM could overwrite blocks not yet read. The connect is held for 1 s here."""
+    import threading
+
+    p, d, src, dst = pd
+    real = p.cm.connect
+    gate = threading.Event()
+
+    def slow(meta, *, timeout):  # type: ignore[no-untyped-def]
+        gate.wait(10)
+        return real(meta, timeout=timeout)
+
+    monkeypatch.setattr(p.cm, "connect", slow)
+    d.bind(StepPlan(recv_start={"late": 60}))
+    step(p, StepPlan(peers={"D": {0: d.handshake()["metadata"]}}, sources=[source("pl", (3, 4))],
+                     binds=[dest("pl", "late", (51, 52))]), src)
+    p.bind(StepPlan(send_release=["pl"]))
+    time.sleep(1.0)
+    early = p.transfer_results()
+    assert "pl" not in early.finished_sending, "reported finished while its connect was pending"
+    gate.set()
+    poll(p, "finished_sending", "pl")
+    poll(d, "finished_recving", "late")
+    for name in src:
+        assert torch.equal(src[name][3], dst[name][51]) and torch.equal(src[name][4], dst[name][52])
