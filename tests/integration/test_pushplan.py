@@ -320,6 +320,19 @@ def test_a_decode_with_fewer_kv_groups_than_the_prefill_is_refused() -> None:
     assert p.layer(0) == [] and p.layer(1) == [] and p.step_end() == []
 
 
+def test_a_source_given_up_after_its_puts_started_puts_and_signals_nothing_more() -> None:
+    """Issue 32: the prefill request fails (or is released) in the middle of its forward, after layer 0 was put:
+    its blocks may be reused at once, so nothing more is read from them: no later layer, no signal (its decode
+    takes the failure path), and a destination that comes for it now is held, not bound to the dead source."""
+    p = PushPlanner([0, 0, 0], 4, lambda e: None)
+    p.step([SourceStep("r", "x", 8, ((1, 2),), 0, 8)])
+    p.bind(Bind("x", "D", "s", (7, 8), 0))
+    assert [o.layers for o in p.layer(0)] == [(0,)]
+    p.forget("r")
+    assert p.layer(1) == [] and p.layer(2) == [] and p.step_end() == []
+    assert p.bind(Bind("x", "D", "t", (9,), 0))[1] == "pending"
+
+
 def test_pull_mode_puts_only_once_the_prompt_is_computed() -> None:
     run = Run(3, 4, 10, 0, [4], layerwise=False)
     ev = run.events()
