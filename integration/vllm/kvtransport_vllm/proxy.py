@@ -109,11 +109,11 @@ ANSWER_BYTES = 64 * 1024 * 1024
 """Bound on an instance's answer read whole (a non-streamed completion, its logprobs included)."""
 APIS = ("/v1/completions", "/v1/chat/completions")
 FORWARDED = ("authorization", "x-request-id")
+"""Client headers passed on to the instances."""
 DP_HEADER = "x-data-parallel-rank"
 """vLLM's API server sends a request carrying it to that data-parallel engine (its internal load balancer)."""
 MAX_DP_ENGINES = 1024
 """Data-parallel engines the proxy believes one URL fronts (each becomes a rotation entry)."""
-"""Client headers passed on to the instances."""
 _JSON = "application/json"
 
 
