@@ -1,7 +1,8 @@
 """A decode's destination message (``dst``) on the side channel: encode, then parse and check, as both
 schedulers do per request. Protocol 5 sends block ids packed (u32 after a JSON header, read into ``array('I')``);
 the baseline is protocol 4's JSON list of numbers (encode, guard, ``json.loads``, check), measured in the same
-run with the same messages.
+run with the same messages. The packed message is parsed from memory by the same parser that reads it off the
+socket (``protocol._recv_packed``, fed by a buffer instead of ``recv_into``).
 
     python benchmarks/dst_message_cost.py [--repeat 2000]
 

@@ -36,7 +36,7 @@ import struct
 import sys
 from array import array
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from kvtransport import wire
 from kvtransport.errors import KVTransportError
@@ -180,25 +180,10 @@ def as_lists(value: Any) -> Any:
 
 
 def _unpack_dst(raw: bytes | bytearray) -> dict[str, Any]:
-    """A PACKED frame's message from its bytes in memory (see :func:`_recv_packed` for the socket's).
-    Raises MalformedMessage."""
-    if len(raw) < len(PACKED) + _PACKED_LEN.size:
-        raise MalformedMessage("packed frame shorter than its header")
-    (size,) = _PACKED_LEN.unpack_from(raw, len(PACKED))
-    start = len(PACKED) + _PACKED_LEN.size
-    if size > MAX_PACKED_HEADER or start + size > len(raw):
-        raise MalformedMessage(f"packed frame header of {size} bytes does not fit")
-    msg, counts = _packed_header(bytes(raw[start:start + size]), len(raw) - start - size)
-    lists, at = [], start + size
+    """A PACKED frame's message from its bytes in memory: the socket's parser (:func:`_recv_packed`) reading
+    them. Raises MalformedMessage."""
     with memoryview(raw) as view:
-        for n in counts:
-            ids: array[int] = array(_U32)
-            ids.frombytes(view[at:at + 4 * n])
-            if sys.byteorder != "little":
-                ids.byteswap()
-            lists.append(ids)
-            at += 4 * n
-    return _place(msg, lists)
+        return _recv_packed(_BufferReader(view, len(PACKED)), len(raw))
 
 
 def encode_message(msg: Mapping[str, Any]) -> bytes:
@@ -220,7 +205,26 @@ def send_frame(sock: socket.socket, payload: bytes) -> None:
     sock.sendall(_HEADER.pack(len(payload)) + payload)
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
+class _Reader(Protocol):
+    """What the frame readers need of a socket."""
+
+    def recv_into(self, buffer: memoryview, nbytes: int = 0, /) -> int: ...
+
+
+class _BufferReader:
+    """Bytes in memory read as a socket is (:class:`_Reader`), from ``at`` on; 0 at their end."""
+
+    def __init__(self, view: memoryview, at: int = 0) -> None:
+        self._view, self._at = view, at
+
+    def recv_into(self, buffer: memoryview, nbytes: int = 0, /) -> int:
+        n = min(nbytes or len(buffer), len(self._view) - self._at)
+        buffer[:n] = self._view[self._at:self._at + n]
+        self._at += n
+        return n
+
+
+def _recv_into(sock: _Reader, view: memoryview) -> None:
     """Fill ``view`` (bytes) from ``sock``. Raises ConnectionClosed or OSError."""
     got, n = 0, len(view)
     while got < n:
@@ -230,7 +234,7 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+def _recv_exact(sock: _Reader, n: int) -> bytearray:
     """Exactly ``n`` bytes, read into one buffer (a frame costs its size once, not once per copy)."""
     buf = bytearray(n)
     with memoryview(buf) as view:
@@ -238,7 +242,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def _skip(sock: socket.socket, n: int) -> None:
+def _skip(sock: _Reader, n: int) -> None:
     """Read and drop ``n`` bytes (a refused frame's rest: the stream stays in sync), 64 KiB at a time."""
     chunk = bytearray(min(n, 1 << 16))
     with memoryview(chunk) as view:
@@ -248,7 +252,7 @@ def _skip(sock: socket.socket, n: int) -> None:
             n -= k
 
 
-def _recv_packed(sock: socket.socket, size: int) -> dict[str, Any]:
+def _recv_packed(sock: _Reader, size: int) -> dict[str, Any]:
     """The rest of a PACKED frame of ``size`` bytes whose magic was read: the header parsed, then each block id
     list read off the socket straight into its ``array('I')`` (the frame is never held whole: it costs its
     size once). Raises MalformedMessage with the frame consumed, ConnectionClosed or OSError."""
