@@ -1,17 +1,19 @@
 """Where a GPU request's time goes: host cost of each ``put_layer``, the device copy time, and the completion
-path, for one backend on a 2-GPU host (sender on cuda:0, receiver process on cuda:1).
+path, for one backend: sender on cuda:0, receiver process on cuda:1 (on a one-GPU host both on cuda:0, two
+processes, CUDA IPC between them).
 
 ``kvtransport bench`` reports one figure per request (first put to the receiver's ``wait`` returning). This
 script splits it: per request it times every ``put_layer`` call on the host, the copies on the device (CUDA
 events around them on the sender's stream), when the sender's ``flush`` returned and when the receiver's
 ``wait`` returned (``time.monotonic`` is one clock for both processes), and it prices the launcher's
 primitives one by one. Next to each request: the raw GPU0 -> GPU1 copy of the same bytes, same run (the
-bench's own Ceiling).
+bench's own Ceiling; GPU0 -> GPU0 on one GPU). The ``signal`` case times signal -> the receiver's ``wait``
+returning alone (no puts; p50 and p99 over ``--signals`` sequences).
 
     python benchmarks/gpu_put_path.py --backend mscclpp --out /tmp/probe.json
     python benchmarks/gpu_put_path.py --backend ucx --api layers   # one put_layers call per request
 
-Needs two CUDA devices and a backend with a device path (mscclpp, ucx); prints a table and writes JSON.
+Needs a CUDA device and a backend with a device path (mscclpp, ucx); prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 CASES = {  # name: (preset, tokens, ids pattern)
     "llama8b-2k-random": ("llama-3.1-8b", 2048, "random"),
     "one-256MiB-put": ("one-layer", 65536, "contiguous"),
+    "signal": ("one-layer", 16, "contiguous"),  # signal -> wait alone: no puts
 }
 
 
@@ -46,16 +49,16 @@ def _ids(pattern: str, blocks: int, pool: int, seed: int) -> tuple[list[int], li
     return rng.sample(range(pool), blocks), rng.sample(range(pool), blocks)
 
 
-def _receiver(backend: str, cases: list[str], conn: Any, doorbell: bool) -> None:
+def _receiver(backend: str, cases: list[str], conn: Any, doorbell: bool, device: int) -> None:
     import torch
 
     import kvtransport as kt
     from kvtransport.workload.caches import CudaCache
 
-    torch.cuda.set_device(1)
+    torch.cuda.set_device(device)
     for name in cases:
         preset, tokens, _ = CASES[name]
-        cache = CudaCache(_spec(preset, tokens), "cuda:1")
+        cache = CudaCache(_spec(preset, tokens), f"cuda:{device}")
         with kt.open(cache.layout, backend=backend, timeout=60, doorbell=doorbell) as cm:
             conn.send(cm.metadata())
             while True:
@@ -109,7 +112,8 @@ def _primitives(cm: Any) -> dict[str, float]:
     return out
 
 
-def run_case(backend: str, name: str, reps: int, api: str, conn: Any, doorbell: bool, profile: bool = False) -> dict[str, Any]:
+def run_case(backend: str, name: str, reps: int, api: str, conn: Any, doorbell: bool, profile: bool = False,
+             signals: int = 500) -> dict[str, Any]:
     import torch
 
     import kvtransport as kt
@@ -125,6 +129,24 @@ def run_case(backend: str, name: str, reps: int, api: str, conn: Any, doorbell: 
     prims: dict[str, float] = {}
     with kt.open(cache.layout, backend=backend, timeout=60, doorbell=doorbell) as cm:
         peer = cm.connect(conn.recv())
+        if name == "signal":
+            lat = []
+            for r in range(signals + 20):
+                seq = f"signal-{r}"
+                conn.send(seq)
+                time.sleep(0.002)  # the receiver is in wait()
+                t0 = time.monotonic()
+                cm.signal(peer, seq)
+                t_wait = conn.recv()
+                if r >= 20:
+                    lat.append((t_wait - t0) * 1e6)
+            conn.send(None)
+            by_bell = conn.recv()
+            lat.sort()
+            return {"case": name, "backend": backend, "doorbell": doorbell, "doorbell_signals": by_bell,
+                    "signals": len(lat), "signal_to_wait_p50_us": round(lat[len(lat) // 2], 1),
+                    "signal_to_wait_p99_us": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))], 1),
+                    "signal_to_wait_max_us": round(lat[-1], 1)}
         for r in range(reps + 2):
             seq = f"{name}-{r}"
             conn.send(seq)
@@ -174,7 +196,7 @@ def run_case(backend: str, name: str, reps: int, api: str, conn: Any, doorbell: 
     torch.cuda.empty_cache()
     from kvtransport.bench.baselines import Ceiling
 
-    raw = Ceiling("cuda", cap=nbytes).measure(nbytes)["seconds"]  # best of 5 GPU0 -> GPU1 copies (CUDA events)
+    raw = Ceiling("cuda", cap=nbytes).measure(nbytes)["seconds"]  # best of 5 GPU0 -> GPU1 (one GPU: GPU0) copies
     med = {k: round(statistics.median(v), 1) for k, v in rows.items()}
     return {"case": name, "backend": backend, "api": api, "doorbell": doorbell, "doorbell_signals": by_bell, "bytes": nbytes, "layers": spec.num_layers,
             "raw_copy_us": round(raw * 1e6, 1), "raw_gbps": round(nbytes / raw / 1e9, 1), **med,
@@ -195,24 +217,34 @@ def main(argv: list[str] | None = None) -> int:
                     help="put_layer per layer (default) or one put_layers call per request")
     ap.add_argument("--doorbell", type=int, default=1, help="1: completions by doorbell where possible (default); 0: side channel only")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of one put_layers call")
+    ap.add_argument("--signals", type=int, default=500, help="sequences timed by the signal case")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
     import torch
 
-    if torch.cuda.device_count() < 2:
-        print("needs two CUDA devices", file=sys.stderr)
+    if torch.cuda.device_count() < 1:
+        print("needs a CUDA device", file=sys.stderr)
         return 2
+    receiver = 1 if torch.cuda.device_count() > 1 else 0  # one GPU: two processes on it (CUDA IPC)
     cases = args.cases.split(",")
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=_receiver, args=(args.backend, cases, there, bool(args.doorbell)), daemon=True)
+    proc = ctx.Process(target=_receiver, args=(args.backend, cases, there, bool(args.doorbell), receiver),
+                       daemon=True)
     proc.start()
     torch.cuda.set_device(0)
     results = []
     try:
         for name in cases:
-            res = run_case(args.backend, name, args.reps, args.api, here, bool(args.doorbell), args.profile)
+            res = run_case(args.backend, name, args.reps, args.api, here, bool(args.doorbell), args.profile,
+                           args.signals)
+            res["receiver_device"] = f"cuda:{receiver}"
             results.append(res)
+            if name == "signal":
+                print(f"{args.backend} doorbell={args.doorbell} ({res['doorbell_signals']} used) signal -> wait: p50 "
+                      f"{res['signal_to_wait_p50_us']} us, p99 {res['signal_to_wait_p99_us']} us, max "
+                      f"{res['signal_to_wait_max_us']} us over {res['signals']}", flush=True)
+                continue
             print(f"{args.backend} {args.api} doorbell={args.doorbell} ({res['doorbell_signals']} used) {name}: put {res['put_us']} us x {res['layers']}, issue "
                   f"{res['issue_us']} us, gpu copies {res['gpu_copy_us']} us ({res['gpu_copy_pct_of_raw']}% of raw), "
                   f"flush {res['flush_us']} us, receiver wait {res['wait_us']} us -> {res['request_gbps']} GB/s "

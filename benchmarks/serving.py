@@ -282,11 +282,14 @@ def run_config(label: str, url: str, model: Path, watch: list[Server], out: Path
     return results
 
 
-def run_all(model: Path, out: Path, configs: list[str], kv_gib: float, wait_for: Path | None) -> dict[str, Any]:
+def run_all(model: Path, out: Path, configs: list[str], kv_gib: float, wait_for: Path | None,
+            rounds: int = 1) -> dict[str, Any]:
     """Every configuration in one session on one GPU. The single instance runs throughout; the mscclpp and ucx
     pairs start beside it (five instances), are measured, stopped, and the NixlConnector pair takes their place.
     ``wait_for``: start the instances at once but measure nothing before that file exists (another job still
-    shares the GPU)."""
+    shares the GPU). ``rounds``: the single instance and the kvtransport configurations are measured that many
+    times, interleaved (single, push, ..., single, push, ...); round ``k`` > 1 is stored as ``label#k``, so a
+    configuration can be judged against the baseline of its own round (:func:`paired`)."""
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     env = base_env()
@@ -361,15 +364,17 @@ def run_all(model: Path, out: Path, configs: list[str], kv_gib: float, wait_for:
             print(f"[serving] instances up; waiting for {wait_for}", flush=True)
             while not wait_for.exists():
                 time.sleep(2)
-        for c in configs:
-            if c == "single" and single in ok:
-                measure(c, "single", None)
-            elif c.split("-")[0] in ("push", "pull") and c.split("-")[1] in first:
-                mode, backend = c.split("-")[:2]
-                pair = first[backend]
-                if all(s in ok for s in pair):
-                    measure(c, mode, pair, "decode" if c.endswith("-decode-first") else "prefill",
-                            out / "trace" / backend)
+        for k in range(1, rounds + 1):
+            tag = "" if k == 1 else f"#{k}"
+            for c in configs:
+                if c == "single" and single in ok:
+                    measure(c + tag, "single", None)
+                elif c.split("-")[0] in ("push", "pull") and c.split("-")[1] in first:
+                    mode, backend = c.split("-")[:2]
+                    pair = first[backend]
+                    if all(s in ok for s in pair):
+                        measure(c + tag, mode, pair, "decode" if c.endswith("-decode-first") else "prefill",
+                                out / "trace" / backend)
         for pair in first.values():
             for s in pair:
                 s.stop()
@@ -447,8 +452,9 @@ def summarize(files: list[Path]) -> list[dict[str, Any]]:
     rows = []
     for f in files:
         data = json.loads(f.read_text())
-        base = data["configs"].get("single", {})
         for label, per in data["configs"].items():
+            config, _, k = label.partition("#")
+            base = data["configs"].get("single" + ("#" + k if k else ""), {})
             for setting, r in per.items():
                 if "error" in r:
                     rows.append({"phase": data["phase"], "config": label, "setting": setting, "error": r["error"]})
@@ -460,12 +466,12 @@ def summarize(files: list[Path]) -> list[dict[str, Any]]:
                         conn[k] = conn.get(k, 0.0) + v
                 sent = conn.get("layerwise", 0) + conn.get("whole", 0)
                 row = {
-                    "phase": data["phase"], "config": label, "setting": setting,
+                    "phase": data["phase"], "config": label, "setting": setting, "round": int(k or 1),
                     "ttft_p50_ms": r.get("median_ttft_ms"), "ttft_p99_ms": r.get("p99_ttft_ms"),
                     "itl_p50_ms": r.get("median_itl_ms"), "tpot_p50_ms": r.get("median_tpot_ms"),
                     "completed": r.get("completed"),
                     "ttft_overhead_pct": (round(100 * (r["median_ttft_ms"] / b["median_ttft_ms"] - 1), 1)
-                                          if b.get("median_ttft_ms") and label != "single" else None),
+                                          if b.get("median_ttft_ms") and config != "single" else None),
                     "transfer_ms": (round(1000 * conn["hold_s_sum"] / conn["hold_n"], 2) if conn.get("hold_n")
                                     else round(1000 * conn["nixl_xfer_s_sum"] / conn["nixl_xfer_n"], 2)
                                     if conn.get("nixl_xfer_n") else None),
@@ -478,6 +484,27 @@ def summarize(files: list[Path]) -> list[dict[str, Any]]:
                 }
                 rows.append(row)
     return rows
+
+
+def paired(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (configuration, setting) over interleaved rounds: the median TTFT p50 and the median, lowest and
+    highest of the overheads over the single instance of the same round (``ttft_overhead_pct``); the baseline's
+    own spread over the rounds beside it. Rows of one round only are left out."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("ttft_p50_ms") is not None and r.get("config", "").partition("#")[0] != "single-again":
+            groups.setdefault((r["config"].partition("#")[0], r["setting"]), []).append(r)
+    out = []
+    for (config, setting), rs in groups.items():
+        if len(rs) < 2:
+            continue
+        p50s = sorted(r["ttft_p50_ms"] for r in rs)
+        over = sorted(r["ttft_overhead_pct"] for r in rs if r.get("ttft_overhead_pct") is not None)
+        out.append({"config": config, "setting": setting, "rounds": len(rs),
+                    "ttft_p50_ms_median": p50s[len(p50s) // 2], "ttft_p50_ms_range": [p50s[0], p50s[-1]],
+                    "overhead_pct_median": over[len(over) // 2] if over else None,
+                    "overhead_pct_range": [over[0], over[-1]] if over else None})
+    return out
 
 
 def report(files: list[Path], out: Path) -> None:
@@ -497,8 +524,16 @@ def report(files: list[Path], out: Path) -> None:
             if b:
                 lines.append(f"| {r['config']} | {r['setting']} | "
                              + " | ".join(str(b[g]["p50_ms"]) if g in b else "" for g in shown) + " |")
+    rounds = paired(rows)
+    if rounds:
+        lines += ["", "Interleaved rounds (each overhead against the single instance of its own round):", "",
+                  "| config | setting | rounds | TTFT p50 median (ms) | p50 range | overhead median | overhead range |",
+                  "|---|---|---|---|---|---|---|"]
+        for g in rounds:
+            lines.append(f"| {g['config']} | {g['setting']} | {g['rounds']} | {g['ttft_p50_ms_median']} | "
+                         f"{g['ttft_p50_ms_range']} | {g['overhead_pct_median']} | {g['overhead_pct_range']} |")
     (out / "serving.md").write_text("\n".join(lines) + "\n")
-    (out / "serving-summary.json").write_text(json.dumps(rows, indent=1))
+    (out / "serving-summary.json").write_text(json.dumps({"rows": rows, "rounds": rounds}, indent=1))
     print("\n".join(lines))
     try:
         import matplotlib
@@ -546,6 +581,9 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--kv-gib", type=float, default=3.0, help="KV cache per instance (GiB; 8k tokens = 1 GiB)")
     run.add_argument("--wait-for", type=Path, default=None,
                      help="start the instances, but measure only once this file exists")
+    run.add_argument("--rounds", type=int, default=1,
+                     help="measure the single instance and the kvtransport configurations this many times, "
+                          "interleaved (overheads are then judged within each round)")
     cl = sub.add_parser("client", help="(used by run) vllm bench serve for each setting, in one process")
     cl.add_argument("--url", required=True)
     cl.add_argument("--model", type=Path, required=True)
@@ -560,7 +598,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.cmd == "make-model":
         print(make_model(a.path))
     elif a.cmd == "run":
-        run_all(a.model, a.out, a.configs, a.kv_gib, a.wait_for)
+        run_all(a.model, a.out, a.configs, a.kv_gib, a.wait_for, a.rounds)
     elif a.cmd == "client":
         client(a.url, a.model, a.label, a.settings.split(","), [w for w in a.watch.split(",") if w], a.out)
     else:

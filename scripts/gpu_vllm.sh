@@ -21,7 +21,9 @@
 # The commit measured is read from .stage/c1/COMMIT (written by gpu_stage.sh) into machine.txt.
 # `bash scripts/gpu_vllm.sh job NAME` re-runs one step in the background (conformance, e2e, serving).
 # Knobs for a short lease: SERVING=0 (no benchmark), CONFORMANCE=0, MSCCLPP_BUILD=0 (ucx only), and
-# E2E_RUNS="pd ucx-cuda|faults cuda" (suite and -k filter per run, '|' between runs).
+# E2E_RUNS="pd ucx-cuda|faults cuda" (suite and -k filter per run, '|' between runs). SERVING_ROUNDS=3: the
+# benchmark's configurations measured three times, interleaved; PUT_PATH=1: benchmarks/gpu_put_path.py per
+# backend (PUT_PATH_BACKENDS) once the e2e suites are done, before the conformance suites.
 set -uo pipefail
 W=/tmp/kvt-gpu
 R=$W/out
@@ -141,11 +143,25 @@ job_serving() {
   rm -rf "$R/serving"
   ( wait_for "$W/e2e.done"; touch "$W/quiet" ) &
   timeout 1500 $PY benchmarks/serving.py run --model "$W/llama8b" --out "$R/serving" --wait-for "$W/quiet" \
-    ${SERVING_CONFIGS:+--configs $SERVING_CONFIGS} >"$R/serving.txt" 2>&1
+    ${SERVING_CONFIGS:+--configs $SERVING_CONFIGS} --rounds "${SERVING_ROUNDS:-1}" >"$R/serving.txt" 2>&1
   $PY benchmarks/serving.py report "$R/serving/serving.json" --out "$R/serving" >>"$R/serving.txt" 2>&1
   status "C: serving benchmark done"
   timeout 120 $PY benchmarks/proxy_overhead.py --requests 300 >"$R/proxy-overhead.json" 2>"$R/proxy-overhead.log"
   status "C: proxy overhead: $(grep proxy_cost "$R/proxy-overhead.json")"
+}
+
+job_put_path() {  # benchmarks/gpu_put_path.py per backend, both processes on cuda:0 (issue 30's figures)
+  status "C: gpu_put_path (mscclpp, ucx; put_layer, put_layers, signal -> wait with the doorbell on and off)"
+  mscclpp_env
+  local b
+  for b in ${PUT_PATH_BACKENDS:-mscclpp ucx}; do
+    { timeout 150 $PY benchmarks/gpu_put_path.py --backend "$b" --api layer --doorbell 1 --out "$R/put-path-$b-layer-1.json"
+      timeout 90 $PY benchmarks/gpu_put_path.py --backend "$b" --api layers --doorbell 1 --cases llama8b-2k-random \
+        --out "$R/put-path-$b-layers-1.json"
+      timeout 60 $PY benchmarks/gpu_put_path.py --backend "$b" --doorbell 0 --cases signal --out "$R/put-path-$b-signal-0.json"
+    } >>"$R/put-path.txt" 2>&1
+  done
+  status "C: gpu_put_path: $(grep -c "signal -> wait\|receiver wait" "$R/put-path.txt") results (put-path.txt)"
 }
 
 master() {
@@ -166,6 +182,7 @@ master() {
     wait "$s"
   fi
   wait "$a"
+  if [ "${PUT_PATH:-0}" = 1 ]; then job_put_path; fi
   if [ "${CONFORMANCE:-1}" = 1 ]; then job_conformance; fi
   status "ALL DONE"
   touch "$R/DONE"
@@ -204,9 +221,9 @@ case "${1:-tick}" in
   master) master ;;
   job)
     case "$2" in
-      conformance|e2e|serving) setsid nohup bash -c "source '$REPO/scripts/gpu_vllm.sh' __lib; job_$2" \
+      conformance|e2e|serving|put_path) setsid nohup bash -c "source '$REPO/scripts/gpu_vllm.sh' __lib; job_$2" \
         >"$R/job-$2.log" 2>&1 </dev/null & status "job $2 restarted" ;;
-      *) echo "jobs: conformance e2e serving" ;;
+      *) echo "jobs: conformance e2e serving put_path" ;;
     esac
     ;;
   __lib) ;;  # sourced for its functions

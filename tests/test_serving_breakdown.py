@@ -70,3 +70,27 @@ def test_the_report_shows_the_breakdown(serving: ModuleType, tmp_path: Path) -> 
     md = (tmp_path / "serving.md").read_text()
     assert "| gpu | push-mscclpp | 2k-c1 | 61.2 | 62.0 | 5.0 | 2.0 |" in md  # +2.0% over the single instance
     assert "Where the time went" in md and "| push-mscclpp | 2k-c1 | 1.0 | 2.0 |" in md
+
+
+def test_interleaved_rounds_are_judged_against_their_own_rounds_baseline(serving: ModuleType, tmp_path: Path) -> None:
+    def res(ttft: float) -> dict[str, Any]:
+        return {"2k-c1": {"median_ttft_ms": ttft, "p99_ttft_ms": ttft + 1, "median_itl_ms": 5.0, "completed": 40,
+                          "connector": {}}}
+
+    # the baseline drifts 60 -> 50 -> 55 ms; the P/D pair stays 2% / 4% / 10% above the baseline of its round
+    data = {"phase": "gpu", "configs": {
+        "single": res(60.0), "push-ucx": res(61.2), "single#2": res(50.0), "push-ucx#2": res(52.0),
+        "single#3": res(55.0), "push-ucx#3": res(60.5), "single-again": res(54.0)}}
+    f = tmp_path / "serving.json"
+    f.write_text(json.dumps(data))
+    rows = serving.summarize([f])
+    assert [(r["config"], r["round"], r["ttft_overhead_pct"]) for r in rows if r["config"].startswith("push")] == [
+        ("push-ucx", 1, 2.0), ("push-ucx#2", 2, 4.0), ("push-ucx#3", 3, 10.0)]
+    assert serving.paired(rows) == [
+        {"config": "single", "setting": "2k-c1", "rounds": 3, "ttft_p50_ms_median": 55.0,
+         "ttft_p50_ms_range": [50.0, 60.0], "overhead_pct_median": None, "overhead_pct_range": None},
+        {"config": "push-ucx", "setting": "2k-c1", "rounds": 3, "ttft_p50_ms_median": 60.5,
+         "ttft_p50_ms_range": [52.0, 61.2], "overhead_pct_median": 4.0, "overhead_pct_range": [2.0, 10.0]}]
+    serving.report([f], tmp_path)
+    md = (tmp_path / "serving.md").read_text()
+    assert "| push-ucx | 2k-c1 | 3 | 60.5 | [52.0, 61.2] | 4.0 | [2.0, 10.0] |" in md

@@ -116,9 +116,12 @@ def reference(ref: Proc, prompt: str) -> list[int]:
 
 
 def check_pair(instances: dict[str, Any], prefill: str, decode: str, seed: int,
-               lengths: tuple[int, ...] = (3, 31, 70, 150), decode_tp: int = 1, unlike: bool = True) -> None:
+               lengths: tuple[int, ...] = (3, 31, 70, 150), decode_tp: int = 1, unlike: bool = True,
+               concurrent: bool = True) -> dict[str, float]:
     """``unlike``: the pair differs (TP or block size), so exactly the transferred tokens' KV moves (like pairs
-    move whole blocks, a chunk's partial last block again with the next chunk)."""
+    move whole blocks, a chunk's partial last block again with the next chunk). ``concurrent``: the P/D requests
+    go together (False: one at a time, for kernels whose output depends on what shares the batch). Returns the
+    figures it checked (token counts, transfers, bytes)."""
     procs = instances["procs"]
     P, D, R = procs[prefill], procs[decode], procs["P1"]
     ps = prompts(seed, lengths)
@@ -131,7 +134,7 @@ def check_pair(instances: dict[str, Any], prefill: str, decode: str, seed: int,
         sent0, got0 = settled([procs[k].url for k in pre], [procs[k].url for k in dec], balanced=True)
         p0, d0 = sent0[pre.index(prefill)], got0[dec.index(decode)]
         t0 = time.monotonic()
-        with ThreadPoolExecutor(len(ps)) as ex:
+        with ThreadPoolExecutor(len(ps) if concurrent else 1) as ex:
             got = list(ex.map(lambda p: complete(proxy.url, p, (P, D, proxy)), ps))
         took = time.monotonic() - t0
     finally:
@@ -170,6 +173,7 @@ def check_pair(instances: dict[str, Any], prefill: str, decode: str, seed: int,
             break
         time.sleep(0.5)
     assert not any(usage.values()), f"KV blocks still held: {usage}"
+    return s
 
 
 def test_tp2_to_tp2(instances: dict[str, Any]) -> None:

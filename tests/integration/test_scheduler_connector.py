@@ -3,6 +3,7 @@ talking over the real side channel on loopback, driven by fake runner outputs (n
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from typing import Any
@@ -407,6 +408,30 @@ def test_incompatible_peer_is_refused(pair) -> None:
             return True
         return False
     wait_until(failed)
+
+
+def test_unlike_tp_with_a_block_layout_is_refused_at_the_handshake(pair, caplog) -> None:
+    """What an MLA model gets (its 3-D latent cache keeps the block layout: no ``kv_order`` from the workers): a
+    decode at another TP size is refused at the handshake, the decode's request fails naming the field, and the
+    prefill's log names both sides' values."""
+    pr = pair()
+    pr.dc.tp_size = 2  # the decode's hello and compatibility fields as a TP2 decode's
+    _, dparams = pr.push_params("mla-tp")
+    dreq = make_request(list(range(40)), params=dparams)
+    _decode_admit(pr, dreq)
+
+    def failed() -> bool:
+        so = pr.d.schedule()
+        pr.d.update_from_output(so, empty_output())
+        reasons = plan_of(so).recv_fail
+        if dreq.request_id in reasons:
+            assert reasons[dreq.request_id].endswith("incompatible KV caches, fields that differ: kv_cache")
+            return True
+        return False
+    with caplog.at_level(logging.WARNING):
+        wait_until(failed)
+    assert "blocks of tp_size 1 and block_size 16 (like-for-like peers only)" in caplog.text
+    assert "blocks of tp_size 2 and block_size 16 (like-for-like peers only)" in caplog.text
 
 
 def test_plugin_registration_is_idempotent() -> None:
@@ -998,13 +1023,18 @@ def test_kv_cache_groups_the_connector_cannot_move_are_refused_by_name() -> None
                                            SimpleNamespace(kv_cache_spec=full, layer_names=["l1"])])
     assert check_groups(cfg) == {"l0": 0, "l2": 0, "l1": 1}
     assert check_groups(None) == {}
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec  # DeepSeek-class latent caches move as whole blocks
+
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float32)
+    assert check_groups(SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=mla, layer_names=["a", "b"])])) \
+        == {"a": 0, "b": 0}
 
     class MambaSpec:  # stands for vLLM's (only its name and block size are read)
         block_size = 16
 
     cfg.kv_cache_groups.append(SimpleNamespace(kv_cache_spec=MambaSpec(), layer_names=["m3"]))
-    with pytest.raises(ValueError, match=r"cannot move KV cache group 2 \(MambaSpec, layers \['m3'\]\): it moves full "
-                                         r"and sliding-window attention KV only; Mamba/SSM state is not supported"):
+    with pytest.raises(ValueError, match=r"cannot move KV cache group 2 \(MambaSpec, layers \['m3'\]\): it moves full"
+                                         r", sliding-window and MLA attention KV only; Mamba/SSM state is not supported"):
         check_groups(cfg)
 
 

@@ -61,30 +61,11 @@ def vocab_size() -> int:
     return len(vocabulary()[0])
 
 
-def make_tiny_llama(path: str | Path, *, seed: int = 0, layers: int = 2, sliding_window: int | None = None) -> Path:
-    """Write config, weights and tokenizer to ``path`` (idempotent: skips when config.json exists).
-
-    ``sliding_window``: every other layer attends to that many tokens only (``layer_types``, as Gemma 2 or
-    GPT-OSS do; vLLM's Llama reads them), so vLLM's hybrid allocator makes two KV cache groups."""
-    out = Path(path)
-    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    import torch
+def _save_tokenizer(out: Path) -> None:
+    """The byte-level BPE tokenizer of this module, with a minimal chat template, saved beside a model."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab_size(), hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
-        bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False, torch_dtype="float32",
-    )
-    if sliding_window is not None:
-        cfg.layer_types = ["sliding_attention", "full_attention"] * (layers // 2) + ["full_attention"] * (layers % 2)
-        cfg.sliding_window = sliding_window
-    model = LlamaForCausalLM(cfg)
-    model.to(torch.float32).save_pretrained(out)
     vocab, merges = vocabulary()
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -99,8 +80,66 @@ def make_tiny_llama(path: str | Path, *, seed: int = 0, layers: int = 2, sliding
         data = json.loads(gen.read_text())
         data.pop("temperature", None)
         gen.write_text(json.dumps(data))
+
+
+def make_tiny_mla(path: str | Path, *, seed: int = 0, layers: int = 2) -> Path:
+    """A tiny random-weight DeepSeek-V2-shaped model (multi-head latent attention, dense MLPs) and the byte-level
+    tokenizer, written to ``path`` (idempotent).
+
+    Its KV cache is MLA's: one latent vector per token (``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64 = 576, the
+    size vLLM's CPU MLA kernel is built for), a 3-D ``[num_blocks, block_size, 576]`` tensor per layer with no K/V
+    split and no heads; every tensor-parallel rank holds all of it. The MLPs are dense (``first_k_dense_replace``
+    = ``layers``) so no MoE kernel is needed."""
+    out = Path(path)
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = DeepseekV2Config(
+        vocab_size=vocab_size(), hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None,
+        qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, first_k_dense_replace=layers, max_position_embeddings=2048,
+        bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False, torch_dtype="float32",
+    )
+    model = DeepseekV2ForCausalLM(cfg)
+    model.to(torch.float32).save_pretrained(out)
+    _save_tokenizer(out)
+    return out
+
+
+def make_tiny_llama(path: str | Path, *, seed: int = 0, layers: int = 2, sliding_window: int | None = None) -> Path:
+    """Write config, weights and tokenizer to ``path`` (idempotent: skips when config.json exists).
+
+    ``sliding_window``: every other layer attends to that many tokens only (``layer_types``, as Gemma 2 or
+    GPT-OSS do; vLLM's Llama reads them), so vLLM's hybrid allocator makes two KV cache groups."""
+    out = Path(path)
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size(), hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+        bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False, torch_dtype="float32",
+    )
+    if sliding_window is not None:
+        cfg.layer_types = ["sliding_attention", "full_attention"] * (layers // 2) + ["full_attention"] * (layers % 2)
+        cfg.sliding_window = sliding_window
+    model = LlamaForCausalLM(cfg)
+    model.to(torch.float32).save_pretrained(out)
+    _save_tokenizer(out)
     return out
 
 
 if __name__ == "__main__":
-    print(make_tiny_llama(sys.argv[1] if len(sys.argv) > 1 else "/tmp/tiny-llama"))
+    if len(sys.argv) > 2 and sys.argv[2] == "mla":
+        print(make_tiny_mla(sys.argv[1]))
+    else:
+        print(make_tiny_llama(sys.argv[1] if len(sys.argv) > 1 else "/tmp/tiny-llama"))

@@ -193,8 +193,10 @@ def _compat_fields(vllm_config: VllmConfig, model_id: str | None) -> dict[str, A
     return info
 
 
-SUPPORTED_GROUPS = ("FullAttentionSpec", "SlidingWindowSpec")
-"""KV cache group kinds whose blocks the connector moves (exact class names)."""
+SUPPORTED_GROUPS = ("FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec")
+"""KV cache group kinds whose blocks the connector moves (exact class names). MLA's latent cache (one
+``kv_lora_rank + rope`` vector per token, no heads, the same on every TP rank) moves as whole blocks between
+instances of one TP size and block size."""
 
 
 def check_groups(kv_cache_config: KVCacheConfig | None) -> dict[str, int]:
@@ -210,7 +212,7 @@ def check_groups(kv_cache_config: KVCacheConfig | None) -> dict[str, int]:
             what = "Mamba/SSM state" if "Mamba" in kind else f"{kind} caches"
             raise ValueError(
                 f"KVTransportConnector cannot move KV cache group {g} ({kind}, layers {list(group.layer_names)[:4]}):"
-                f" it moves full and sliding-window attention KV only; {what} is not supported. Serve this model "
+                f" it moves full, sliding-window and MLA attention KV only; {what} is not supported. Serve this model "
                 "without disaggregation, or without KVTransportConnector")
         sizes.add(int(spec.block_size))
         for name in group.layer_names:

@@ -162,8 +162,9 @@ def served_ranks(local: Shard, geo: Mapping[str, Any]) -> list[int]:
     O(tp_size) <= O(MAX_PEER_TP)."""
     tp, bs, order = int(geo["tp_size"]), int(geo["block_size"]), geo["kv_order"]
     if order is None:
-        raise LayoutError("its KV cache layout serves like-for-like peers only (not dense per layer, e.g. cross-layer "
-                          "blocks): run both sides with the same TP size and block size")
+        raise LayoutError("its KV cache layout serves like-for-like peers only (not [blocks, heads, block, head] dense "
+                          "per layer: MLA's latent cache, cross-layer blocks): run both sides with the same TP size "
+                          "and block size")
     if (order == "CPU") != (local.order == "CPU"):
         raise LayoutError(f"kv_order {order} against ours {local.order}: vLLM's CPU attention exchanges KV only with "
                           "CPU attention")

@@ -257,8 +257,9 @@ class SchedulerSide:
         if mine["kv_order"] is None or geo["kv_order"] is None or geo["block_size"] < 1:
             self.unmappable[engine] = (
                 f"decode engine {engine} differs in {', '.join(why)}, and the KV cache layout of "
-                f"{'this prefill' if mine['kv_order'] is None else 'that decode'} (not dense per layer, e.g. "
-                "cross-layer blocks) serves like-for-like peers only")
+                f"{'this prefill' if mine['kv_order'] is None else 'that decode'} (not [blocks, heads, block, head] "
+                "dense per layer: MLA's latent cache, cross-layer blocks) serves like-for-like peers only: run both at "
+                "one TP size and block size")
             log.error("kvtransport: %s", self.unmappable[engine])
         else:
             log.info("kvtransport: decode engine %s differs in %s: its KV is mapped (kvtransport.reshard)", engine,
