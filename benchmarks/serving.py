@@ -453,8 +453,8 @@ def summarize(files: list[Path]) -> list[dict[str, Any]]:
     for f in files:
         data = json.loads(f.read_text())
         for label, per in data["configs"].items():
-            config, _, k = label.partition("#")
-            base = data["configs"].get("single" + ("#" + k if k else ""), {})
+            config, _, rnd = label.partition("#")
+            base = data["configs"].get("single" + ("#" + rnd if rnd else ""), {})
             for setting, r in per.items():
                 if "error" in r:
                     rows.append({"phase": data["phase"], "config": label, "setting": setting, "error": r["error"]})
@@ -466,7 +466,7 @@ def summarize(files: list[Path]) -> list[dict[str, Any]]:
                         conn[k] = conn.get(k, 0.0) + v
                 sent = conn.get("layerwise", 0) + conn.get("whole", 0)
                 row = {
-                    "phase": data["phase"], "config": label, "setting": setting, "round": int(k or 1),
+                    "phase": data["phase"], "config": label, "setting": setting, "round": int(rnd or 1),
                     "ttft_p50_ms": r.get("median_ttft_ms"), "ttft_p99_ms": r.get("p99_ttft_ms"),
                     "itl_p50_ms": r.get("median_itl_ms"), "tpot_p50_ms": r.get("median_tpot_ms"),
                     "completed": r.get("completed"),

@@ -116,9 +116,11 @@ job_e2e() {
   rm -f "$W/e2e.done"
   status "C: GPU e2e suites (P/D and faults; mscclpp and ucx on cuda:0)"
   mscclpp_env
-  if [ -e "$W/pieces/c7.done" ]; then  # vllm-router (its binary lands in /tmp/site/bin)
-    $PIP --target /tmp/site "$W"/pieces/c7/*.whl >"$R/install-router.log" 2>&1
-    export PATH=/tmp/site/bin:$PATH
+  if [ -e "$W/pieces/c7.done" ]; then  # vllm-router: a target of its own (pip --target leaves an existing
+    # /tmp/site/bin as it is, so the binary never landed there: 2026-12-03, fifth run)
+    $PIP --target /tmp/router "$W"/pieces/c7/*.whl >"$R/install-router.log" 2>&1
+    export PATH=/tmp/router/bin:$PATH
+    command -v vllm-router >>"$R/install-router.log" 2>&1 || status "C: vllm-router did not install (install-router.log)"
   fi
   local pids=() run
   local IFS_OLD=$IFS; IFS='|'; local runs=(${E2E_RUNS:-pd ucx-cuda|pd mscclpp-cuda|faults cuda}); IFS=$IFS_OLD

@@ -75,7 +75,7 @@ def test_the_report_shows_the_breakdown(serving: ModuleType, tmp_path: Path) -> 
 def test_interleaved_rounds_are_judged_against_their_own_rounds_baseline(serving: ModuleType, tmp_path: Path) -> None:
     def res(ttft: float) -> dict[str, Any]:
         return {"2k-c1": {"median_ttft_ms": ttft, "p99_ttft_ms": ttft + 1, "median_itl_ms": 5.0, "completed": 40,
-                          "connector": {}}}
+                          "connector": {"prefill": {"layerwise": 40.0}, "decode": {"hold_s_sum": 0.1, "hold_n": 40}}}}
 
     # the baseline drifts 60 -> 50 -> 55 ms; the P/D pair stays 2% / 4% / 10% above the baseline of its round
     data = {"phase": "gpu", "configs": {

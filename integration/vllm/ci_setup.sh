@@ -29,9 +29,10 @@ fi
 # torchvision::nms does not exist" as soon as transformers imports them): remove them.
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
-echo "[ci_setup] installing kvtransport, the ucx and nccl backends and kvtransport-vllm (editable) + test tools (and vllm-router, a front the e2e tests run)"
+echo "[ci_setup] installing kvtransport, the ucx and nccl backends and kvtransport-vllm (editable) + test tools (and vllm-router, a front the e2e tests run; py-spy, for stall dumps)"
 "${PIP[@]}" install -e "$REPO" -e "$REPO/backends/nccl" -e "$REPO/backends/ucx" -e "$REPO/integration/vllm" \
-  "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "numpy>=1.26" "vllm-router==0.1.17"
+  "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "numpy>=1.26" "vllm-router==0.1.17" \
+  "py-spy>=0.4"  # tests/integration/stacks.py: stack dumps of every instance when a request stalls
 
 "$VENV/bin/python" - <<'EOF'
 import importlib.metadata as md

@@ -25,6 +25,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (integration/vllm/ci_s
 pytest.importorskip("kvtransport_vllm", reason="kvtransport-vllm is not installed")
 httpx = pytest.importorskip("httpx")
 
+from . import stacks  # noqa: E402
 from .test_e2e_pd import (  # noqa: E402
     Proc,
     base_env,
@@ -87,7 +88,9 @@ def prompts(seed: int, lengths: tuple[int, ...] = (3, 31, 70, 150)) -> list[str]
 
 def complete(url: str, prompt: str, procs: tuple[Proc, ...] = ()) -> list[int]:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
-    r = httpx.post(url + "/v1/completions", json=body, timeout=600)
+    with stacks.watch(procs, procs[0].log.parent if procs else Path("."), "request",
+                      stacks.STALL_DUMP_S if procs else 0):
+        r = httpx.post(url + "/v1/completions", json=body, timeout=600)
     assert r.status_code == 200, f"{r.text}\n{why_failed(procs)}"
     return list(r.json()["choices"][0]["token_ids"])
 
@@ -98,7 +101,8 @@ def warm_up(url: str, pair: str, procs: tuple[Proc, ...]) -> None:
     (the decode then fails that prefill's waiting requests at once); see docs/notes.md (issue 15)."""
     body = {"model": "tiny", "prompt": "w5 w6 w7", "max_tokens": 2, "temperature": 0}
     for attempt in range(3):
-        r = httpx.post(url + "/v1/completions", json=body, timeout=600)
+        with stacks.watch(procs, procs[0].log.parent, f"{pair.replace('>', '')}-warm-up"):
+            r = httpx.post(url + "/v1/completions", json=body, timeout=600)
         if r.status_code == 200:
             return
         print(f"\n[e2e-hetero] {pair}: warm-up request {attempt + 1} failed (HTTP {r.status_code}); retrying")

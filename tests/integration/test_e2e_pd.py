@@ -199,6 +199,15 @@ def base_env(backend: str, device: str = "cpu") -> dict[str, str]:
     # spin-waits; four instances on 2 cores then starve each other (side channels stall, gloo times out)
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", KV_TRANSPORT=backend,
                TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    if device == "cpu":
+        # Every instance runs --enforce-eager, so vLLM's CPU worker skips its warm-up forward, but a few helpers
+        # keep their own @torch.compile: at TP > 1, VocabParallelEmbedding's get_masked_input_and_mask. Each TP
+        # worker then compiled it (Dynamo, Inductor, g++ and ISA-probe subprocesses: 12 s with a warm Inductor
+        # cache, 52 s cold, on the loaded 2-core VM) inside its first real forward: the first P/D step of a TP2
+        # instance, with the other rank spinning in the all-reduce, starving the whole host: the leading suspect
+        # for the step that ran past vLLM's 300 s bound in CI (docs/notes.md, "TP2 prefill"; not proven). Eager
+        # is what --enforce-eager asks for anyway.
+        env["TORCH_COMPILE_DISABLE"] = "1"
     if device == "cuda":
         env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"  # the sampler would import flashinfer (not needed otherwise)
         env.setdefault("CUDA_VISIBLE_DEVICES", "0")
