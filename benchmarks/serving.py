@@ -446,6 +446,11 @@ def breakdown(rows: list[dict[str, Any]], t0: float, t1: float) -> dict[str, Any
 
 
 # ---------------------------------------------------------------------------------------------- report
+def _ms(value: Any) -> Any:
+    """A client figure in ms to the microsecond (what the tables show); anything else as it is."""
+    return round(value, 3) if isinstance(value, float) else value
+
+
 def summarize(files: list[Path]) -> list[dict[str, Any]]:
     """One row per (phase, configuration, setting) with TTFT/ITL figures, the overhead over that phase's single
     instance, the transfer time per request and the share pushed layer-wise."""
@@ -467,8 +472,8 @@ def summarize(files: list[Path]) -> list[dict[str, Any]]:
                 sent = conn.get("layerwise", 0) + conn.get("whole", 0)
                 row = {
                     "phase": data["phase"], "config": label, "setting": setting, "round": int(rnd or 1),
-                    "ttft_p50_ms": r.get("median_ttft_ms"), "ttft_p99_ms": r.get("p99_ttft_ms"),
-                    "itl_p50_ms": r.get("median_itl_ms"), "tpot_p50_ms": r.get("median_tpot_ms"),
+                    "ttft_p50_ms": _ms(r.get("median_ttft_ms")), "ttft_p99_ms": _ms(r.get("p99_ttft_ms")),
+                    "itl_p50_ms": _ms(r.get("median_itl_ms")), "tpot_p50_ms": _ms(r.get("median_tpot_ms")),
                     "completed": r.get("completed"),
                     "ttft_overhead_pct": (round(100 * (r["median_ttft_ms"] / b["median_ttft_ms"] - 1), 1)
                                           if b.get("median_ttft_ms") and config != "single" else None),
