@@ -56,6 +56,16 @@ fi
 step "installing kvtransport and its backends" \
   pip install -q -e ".[dev,bench]" -e backends/nccl -e backends/ucx -e backends/mscclpp
 step "checking the installed tools" bash -c "command -v ruff && command -v mypy"
+# Mooncake's transfer engine, a peer in `kvtransport bench` (host memory over TCP): its non-CUDA wheel on x86-64
+# Linux where no Mooncake is installed (a GPU host may have the CUDA one); it links libibverbs.so.1 (Debian:
+# libibverbs1), installed with apt when missing and we may
+if [ "$(uname -m)" = x86_64 ] && ! python -c "import mooncake.engine" >/dev/null 2>&1; then
+  if ! ldconfig -p | grep -q "libibverbs.so.1 " && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    step "installing libibverbs1 (Mooncake's transfer engine links it)" \
+      bash -c "DEBIAN_FRONTEND=noninteractive apt-get install -y -q libibverbs1 || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libibverbs1)"
+  fi
+  step "installing Mooncake's transfer engine (a bench peer)" pip install -q "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+fi
 listing=$(python - <<'EOF'
 import kvtransport, kvtransport_nccl, kvtransport_ucx, kvtransport_mscclpp  # noqa: F401 - all four import
 rows = kvtransport.available_backends()

@@ -54,6 +54,11 @@ def test_bench_smoke_writes_json_table_and_plots(tmp_path: Path) -> None:
         assert any(s["what"] == "NIXL baseline" for s in result["skipped"])
     else:  # installed (GPU hosts, or pip install nixl-cu12/13): its rows must be there, not an error
         assert {r["workload"] for r in rows if r["system"] == "nixl"} == {"sweep", "kv"}
+    # Mooncake's transfer engine: scripts/setup.sh installs it (the non-CUDA wheel and libibverbs1), so it runs
+    # here; its rows (checked above: bytes verified at the receiver) sit beside ours in the same run
+    assert result["mooncake"].startswith("installed"), result["mooncake"]
+    assert {r["workload"] for r in rows if r["system"] == "mooncake"} == {"sweep", "kv"}
+    assert result["paths"]["mooncake"] == "mooncake TCP (P2P handshake)"
 
     for name in ("table.txt", "table.md"):
         assert os.path.getsize(os.path.join(out, name)) > 0
@@ -80,3 +85,16 @@ def test_host_path_diagnostic_runs() -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["layers"] == 4 and res["host_issue_us_per_layer"] > 0 and 0 < res["copy_share_pct"] <= 100
+
+
+def test_mooncake_pieces_contiguous_on_both_sides_are_merged() -> None:
+    """What the Mooncake baseline sends per request: neighbours contiguous on both sides become one entry (as
+    vLLM's MooncakeConnector merges contiguous blocks), anything else stays apart, order kept."""
+    from kvtransport.bench.baselines import merged_runs
+
+    assert merged_runs([0, 10, 20, 50, 60], [100, 110, 120, 130, 140], [10, 10, 10, 10, 10]) == (
+        [0, 50], [100, 130], [30, 20])  # the fourth piece is contiguous on the receiver only
+    assert merged_runs([0, 10], [100, 200], [10, 10]) == ([0, 10], [100, 200], [10, 10])  # the sender only
+    assert merged_runs([30, 20], [130, 120], [10, 10]) == ([30, 20], [130, 120], [10, 10])  # backwards: apart
+    assert merged_runs([0, 16, 32], [0, 16, 40], [16, 16, 8]) == ([0, 32], [0, 40], [32, 8])  # mixed lengths
+    assert merged_runs([], [], []) == ([], [], [])

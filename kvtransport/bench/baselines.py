@@ -10,6 +10,12 @@ per-layer compute time of the overlap workload.
   with ``sendall`` into one ``recv_into`` buffer: the link's own figure for the TCP backends.
 * NIXL (``nixl`` wheel, UCX backend), when importable: prepared descriptor lists over the same layouts,
   one WRITE with a notification per request, timed with the same protocol.
+* Mooncake's transfer engine (``mooncake-transfer-engine``, or ``-non-cuda`` on a host without a CUDA driver),
+  when importable: P2P handshake (no metadata server), TCP on host memory, the receiver's whole region
+  registered; a request is one synchronous batched WRITE of its pieces, contiguous pieces merged first (as
+  vLLM's MooncakeConnector merges contiguous blocks), batches of at most MOONCAKE_BATCH entries. Mooncake has no
+  completion notification on the receiving side: a request is timed on the sender, from before the first batch
+  to the return of the last synchronous one (every byte acknowledged by the receiver's engine).
 """
 
 from __future__ import annotations
@@ -504,3 +510,175 @@ def _fmt(size: int) -> str:
     from .plan import fmt_bytes
 
     return fmt_bytes(size)
+
+
+# ====================================================================== Mooncake
+MOONCAKE_BATCH = 1024
+"""Most entries per ``batch_transfer_sync_write`` call (0.3.13's TCP transport failed a batch of 4,096)."""
+MOONCAKE_DISTS = ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda")
+
+
+def mooncake_version() -> str | None:
+    """The installed Mooncake transfer engine's version, or None when ``import mooncake.engine`` fails."""
+    import importlib
+
+    try:
+        importlib.import_module("mooncake.engine")
+    except Exception:
+        return None
+    from importlib import metadata
+
+    for dist_name in MOONCAKE_DISTS:
+        try:
+            return f"{dist_name} {metadata.version(dist_name)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def _mooncake_engine(host: str) -> Any:
+    import importlib
+
+    engine: Any = importlib.import_module("mooncake.engine").TransferEngine()
+    rc = engine.initialize(host, "P2PHANDSHAKE", "tcp", "")
+    if rc != 0:
+        raise RuntimeError(f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, tcp) returned {rc}")
+    return engine
+
+
+def _mooncake_register(engine: Any, buffers: list[Any]) -> None:
+    for b in buffers:
+        rc = engine.register_memory(_ptr(b), _nbytes(b))
+        if rc != 0:
+            raise RuntimeError(f"Mooncake register_memory of {_nbytes(b)} bytes returned {rc}")
+
+
+def merged_runs(src: list[int], dst: list[int], lengths: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """Pieces ``(src[i], dst[i], lengths[i])`` with neighbours contiguous on both sides merged: (sources,
+    destinations, lengths). Order kept."""
+    out_s: list[int] = []
+    out_d: list[int] = []
+    out_n: list[int] = []
+    for a, b, n in zip(src, dst, lengths, strict=True):
+        if out_n and out_s[-1] + out_n[-1] == a and out_d[-1] + out_n[-1] == b:
+            out_n[-1] += n
+        else:
+            out_s.append(a)
+            out_d.append(b)
+            out_n.append(n)
+    return out_s, out_d, out_n
+
+
+def _kv_pieces(cache: Any, blocks: list[int]) -> tuple[list[int], list[int]]:
+    """(addresses, lengths) of the pieces a request of ``blocks`` moves: layer by layer, plane by plane, block by
+    block."""
+    layout = cache.layout
+    planes = [p for layer in layout.layers for p in layer.planes]
+    return [p.address(b) for p in planes for b in blocks], [p.piece_bytes for p in planes for _ in blocks]
+
+
+def mooncake_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    engine = _mooncake_engine(cfg["mooncake_hosts"]["receiver"])
+    session = f"{cfg['mooncake_hosts']['receiver']}:{engine.get_rpc_port()}"
+    rows: list[dict[str, Any]] = []
+    k = 0
+    for item in cfg["items"]:
+        if item["kind"] == "sweep":
+            arrays = [alloc(size, "cpu", None) for size in cfg["sizes"]]
+            _mooncake_register(engine, arrays)
+            link.send_value((session, [_ptr(a) for a in arrays]))
+            for i, size in enumerate(cfg["sizes"]):
+                set_bytes(arrays[i], 0)
+                d = _mooncake_recv_reps(link, [f"msw{i}-{r}" for r in range(1 + cfg["sweep_reps"][i])])
+                st = summarize(d)
+                rows.append({"workload": "sweep", "case": {"size": size}, "bytes": size, "samples_s": d, **st,
+                             "gbps": gbps(size, st["median_s"]), **busy(), "verified": is_filled(arrays[i], FILL)})
+                progress(cfg, k, f"mooncake sweep {_fmt(size)}: {rows[-1]['gbps']:.3g} GB/s")
+                k += 1
+            for a in arrays:
+                engine.unregister_memory(_ptr(a))
+        else:
+            from .plan import block_ids
+            from .roles import _spec
+
+            shape = item["shape"]
+            cache = make_cache(_spec(shape), "cpu", None)
+            _mooncake_register(engine, [cache.backing])
+            link.send_value((session, None))
+            for case in item["cases"]:
+                _, dst = block_ids(case["pattern"], shape["request_blocks"], shape["pool_blocks"], cfg["seed"])
+                link.send_value(_kv_pieces(cache, dst)[0])
+                probe = cache.views["layers.0"][dst[0]]
+                set_bytes(probe, 0)
+                d = _mooncake_recv_reps(link, [f"mkv{case['index']}-{r}" for r in range(1 + case["reps"])])
+                st = summarize(d)
+                nbytes = shape["request_bytes"]
+                rows.append({"workload": "kv", "case": {"preset": shape["preset"], "tokens": shape["tokens"],
+                                                        "ids": case["pattern"], "coalesce": None},
+                             "bytes": nbytes, "samples_s": d, **st, "gbps": gbps(nbytes, st["median_s"]),
+                             **busy(), "verified": is_filled(probe, FILL)})
+                progress(cfg, k, f"mooncake kv {shape['preset']} {shape['tokens']} {case['pattern']}: "
+                         f"{rows[-1]['gbps']:.3g} GB/s")
+                k += 1
+            engine.unregister_memory(_ptr(cache.backing))
+            del cache
+        link.barrier(f"mooncake-item-end-{item['index']}")
+    link.barrier("end")
+    return done({"rows": rows})
+
+
+def _mooncake_recv_reps(link: Any, seqs: list[str]) -> list[float]:
+    for seq in seqs:
+        link.barrier(seq)
+    return [float(x) for x in link.recv_value()][1:]  # the sender's times; the first (connect) left out
+
+
+def mooncake_sender(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    engine = _mooncake_engine(cfg["mooncake_hosts"]["sender"])
+    for item in cfg["items"]:
+        if item["kind"] == "sweep":
+            arrays = [alloc(size, "cpu", FILL) for size in cfg["sizes"]]
+            _mooncake_register(engine, arrays)
+            session, remote = link.recv_value()
+            for i, size in enumerate(cfg["sizes"]):
+                _mooncake_send_reps(link, engine, session, ([_ptr(arrays[i])], [int(remote[i])], [size]),
+                                    [f"msw{i}-{r}" for r in range(1 + cfg["sweep_reps"][i])])
+            for a in arrays:
+                engine.unregister_memory(_ptr(a))
+        else:
+            from .plan import block_ids
+            from .roles import _spec
+
+            shape = item["shape"]
+            cache = make_cache(_spec(shape), "cpu", FILL)
+            _mooncake_register(engine, [cache.backing])
+            session, _ = link.recv_value()
+            for case in item["cases"]:
+                src, _dst = block_ids(case["pattern"], shape["request_blocks"], shape["pool_blocks"], cfg["seed"])
+                remote = [int(a) for a in link.recv_value()]
+                addresses, lengths = _kv_pieces(cache, src)
+                runs = merged_runs(addresses, remote, lengths)
+                _mooncake_send_reps(link, engine, session, runs,
+                                    [f"mkv{case['index']}-{r}" for r in range(1 + case["reps"])])
+            engine.unregister_memory(_ptr(cache.backing))
+            del cache
+        link.barrier(f"mooncake-item-end-{item['index']}")
+    link.barrier("end")
+    return done({"path": "mooncake TCP (P2P handshake)"})
+
+
+def _mooncake_send_reps(link: Any, engine: Any, session: str, runs: tuple[list[int], list[int], list[int]],
+                        seqs: list[str]) -> None:
+    src, dst, lengths = runs
+    times = []
+    for seq in seqs:
+        link.barrier(seq)
+        t0 = now()
+        for i in range(0, len(src), MOONCAKE_BATCH):
+            j = i + MOONCAKE_BATCH
+            rc = engine.batch_transfer_sync_write(session, src[i:j], dst[i:j], lengths[i:j])
+            if rc != 0:
+                raise RuntimeError(f"Mooncake batch_transfer_sync_write of {len(src[i:j])} pieces for {seq} "
+                                   f"returned {rc}")
+        times.append(now() - t0)
+    link.send_value(times)

@@ -196,6 +196,7 @@ class Options:
     timeout: float = 120.0
     seed: int = 0
     nixl: bool = True
+    mooncake: bool = True  # Mooncake's transfer engine as a peer (host memory, TCP) when importable
     netns: bool = False  # every pair between two network namespaces joined by a veth pair
     extra: dict[str, Any] = field(default_factory=dict)
 

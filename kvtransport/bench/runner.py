@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--workloads", default=",".join(WORKLOADS), metavar="NAMES",
                       help="comma-separated subset of %(default)s")
     what.add_argument("--no-nixl", dest="nixl", action="store_false", help="skip the NIXL baseline even when installed")
+    what.add_argument("--no-mooncake", dest="mooncake", action="store_false",
+                      help="skip Mooncake's transfer engine (host memory over TCP) even when installed")
     kv = ap.add_argument_group("KV requests (kv and overlap workloads)")
     kv.add_argument("--presets", default=",".join(MODEL_SHAPES), metavar="NAMES",
                     help="comma-separated model presets (default %(default)s)")
@@ -118,7 +120,7 @@ def parse_args(argv: list[str] | None) -> Options:
         layer_compute_ms=a.layer_compute_ms,
         overlap_budget_s=a.overlap_budget_s if a.overlap_budget_s is not None else (60.0 if device == "cpu" else 1e9),
         overlap_reps=a.overlap_reps, latency_preset=a.latency_preset, latency_seqs=a.latency_seqs,
-        mem_fraction=a.mem_fraction, timeout=a.timeout, seed=a.seed, nixl=a.nixl, netns=a.netns,
+        mem_fraction=a.mem_fraction, timeout=a.timeout, seed=a.seed, nixl=a.nixl, mooncake=a.mooncake, netns=a.netns,
     )
     opts.extra["from_json"] = a.from_json
     opts.extra["kv_api"] = a.kv_api
@@ -377,7 +379,7 @@ class Bench:
         return result
 
     def _run(self) -> dict[str, Any]:
-        from .baselines import Ceiling, nixl_version
+        from .baselines import Ceiling, mooncake_version, nixl_version
         from .machine import describe, summary_line
 
         o = self.opts
@@ -388,6 +390,12 @@ class Bench:
         nixl_ver = nixl_version() if o.nixl else None
         nixl_status = (f"installed ({nixl_ver})" if nixl_ver else "not installed") if o.nixl else "disabled (--no-nixl)"
         self.say(f"NIXL: {nixl_status}; memory budget {fmt_bytes(self.budget)} ({self.budget_note})")
+        moon_ver = mooncake_version() if o.mooncake and o.device == "cpu" else None
+        moon_status = ("disabled (--no-mooncake)" if not o.mooncake
+                       else "host memory only here (its GPU path needs RDMA)" if o.device != "cpu"
+                       else f"installed ({moon_ver})" if moon_ver else
+                       "not installed (pip install mooncake-transfer-engine-non-cuda; needs libibverbs1)")
+        self.say(f"Mooncake transfer engine: {moon_status}")
 
         sizes = self.plan_sweep() if "sweep" in o.workloads else []
         kv = self.plan_kv() if "kv" in o.workloads else []
@@ -404,7 +412,9 @@ class Bench:
                         [g for g in overlap if self.fits("overlap", system, kv_shape(g["shape"]["preset"],
                                                                                      g["shape"]["tokens"]), staged)])
         nixl_kv = [(sh, cs) for sh, cs in kv if self.fits("kv", "nixl", sh, False)] if nixl_ver else []
+        moon_kv = [(sh, cs) for sh, cs in kv if self.fits("kv", "mooncake", sh, False)] if moon_ver else []
         self.total = len(raw_sizes) * (2 if o.netns else 1) + ((len(sizes) + sum(len(c) for _, c in nixl_kv)) if nixl_ver else 0)
+        self.total += (len(sizes) + sum(len(c) for _, c in moon_kv)) if moon_ver else 0
         for pkv, pov in plans.values():
             self.total += len(sizes) + 2 * sum(len(c) for _, c in pkv) + len(pov) + (1 if "latency" in o.workloads else 0)
 
@@ -422,9 +432,13 @@ class Bench:
         if raw_sizes and o.netns:
             self._run_tcp(raw_sizes, sizes, kv)
         if nixl_ver and (sizes or nixl_kv):
-            self._run_nixl(sizes, nixl_kv)
+            self._run_peer("nixl", sizes, nixl_kv)
         elif "sweep" in o.workloads or "kv" in o.workloads:
             self.skips.append(Skip("sweep,kv", "NIXL baseline", nixl_status if o.nixl else "disabled (--no-nixl)"))
+        if moon_ver and (sizes or moon_kv):
+            self._run_peer("mooncake", sizes, moon_kv)
+        elif "sweep" in o.workloads or "kv" in o.workloads:
+            self.skips.append(Skip("sweep,kv", "Mooncake baseline", moon_status))
 
         from .report import annotate
 
@@ -440,6 +454,7 @@ class Bench:
             "backends": listing,
             "paths": self.paths,
             "nixl": nixl_status,
+            "mooncake": moon_status,
             "ceiling": {"method": ceiling.method, "by_size": {str(k): v for k, v in sorted(ceiling.cache.items())},
                         "waited_for_quiet_s": self.ceiling_quiet[0], "started_quiet": self.ceiling_quiet[1]},
             "memory_budget": {"bytes": self.budget, "note": self.budget_note},
@@ -534,7 +549,9 @@ class Bench:
                     self.add_rows([r], system)
         return res
 
-    def _run_nixl(self, sizes: list[int], kv: list[tuple[KVShape, list[tuple[str, int]]]]) -> None:
+    def _run_peer(self, system: str, sizes: list[int], kv: list[tuple[KVShape, list[tuple[str, int]]]]) -> None:
+        """A peer system's pair (``baselines.<system>_receiver`` / ``_sender``: nixl, mooncake) over the same
+        sweep sizes and KV cases as ours; its rows under ``system``."""
         o = self.opts
         items: list[dict[str, Any]] = []
         n = 0
@@ -550,12 +567,13 @@ class Bench:
             items.append({"kind": "kv", "index": len(items), "shape": shape.to_dict(), "cases": cs})
         n += k
         est = sum(s * 20 / 3e8 for s in sizes) + sum(s.request_bytes * 6 / 3e8 for s, _ in kv)
-        cfg = self._cfg("nixl", n, sizes=sizes, sweep_reps=[sweep_reps(s, o.smoke, o.reps_scale) for s in sizes],
-                        items=items)
-        res = self.pair("baselines", "nixl", cfg, est, "nixl", "sweep,kv")
+        hosts = {role: str(self.hosts[role].address) if self.hosts else "127.0.0.1" for role in ("receiver", "sender")}
+        cfg = self._cfg(system, n, sizes=sizes, sweep_reps=[sweep_reps(s, o.smoke, o.reps_scale) for s in sizes],
+                        items=items, mooncake_hosts=hosts)
+        res = self.pair("baselines", system, cfg, est, system, "sweep,kv")
         if res:
-            self.add_rows(res[0]["rows"], "nixl")
-            self.paths["nixl"] = res[1].get("path", "nixl")
+            self.add_rows(res[0]["rows"], system)
+            self.paths[system] = res[1].get("path", system)
 
 
 def main(argv: list[str] | None = None) -> int:
