@@ -58,7 +58,7 @@ def test_bench_smoke_writes_json_table_and_plots(tmp_path: Path) -> None:
     # here; its rows (checked above: bytes verified at the receiver) sit beside ours in the same run
     assert result["mooncake"].startswith("installed"), result["mooncake"]
     assert {r["workload"] for r in rows if r["system"] == "mooncake"} == {"sweep", "kv"}
-    assert result["paths"]["mooncake"] == "mooncake TCP (P2P handshake)"
+    assert result["paths"]["mooncake"] == "mooncake TCP (P2P handshake) 127.0.0.1 -> 127.0.0.1"
 
     for name in ("table.txt", "table.md"):
         assert os.path.getsize(os.path.join(out, name)) > 0

@@ -186,5 +186,7 @@ def test_bench_netns_measures_backends_next_to_a_raw_tcp_stream(tmp_path: Any) -
     for b in used:  # each backend crossed the veth by TCP
         assert result["paths"][b].endswith(f"via {hosts['sender']['ifname']} (slow path)"), result["paths"]
     assert result["paths"]["tcp"] == "tcp 198.18.0.2 -> 198.18.0.1"
+    # Mooncake's transfer engine (scripts/setup.sh installs it) crossed the same veth
+    assert "mooncake" in systems and result["paths"]["mooncake"] == "mooncake TCP (P2P handshake) 198.18.0.2 -> 198.18.0.1"
     assert all(r["verified"] for r in result["rows"])
     assert "Between two hosts" in proc.stdout

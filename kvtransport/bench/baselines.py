@@ -664,7 +664,8 @@ def mooncake_sender(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
             del cache
         link.barrier(f"mooncake-item-end-{item['index']}")
     link.barrier("end")
-    return done({"path": "mooncake TCP (P2P handshake)"})
+    hosts = cfg["mooncake_hosts"]
+    return done({"path": f"mooncake TCP (P2P handshake) {hosts['sender']} -> {hosts['receiver']}"})
 
 
 def _mooncake_send_reps(link: Any, engine: Any, session: str, runs: tuple[list[int], list[int], list[int]],
