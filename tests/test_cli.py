@@ -149,7 +149,7 @@ def test_every_bench_option_has_help_and_a_group():
             assert title not in ("options", "optional arguments"), f"{action.option_strings} has no group"
             assert action.help and len(action.help) > 10, action.option_strings
             flags.append(action.dest)
-    assert len(flags) == 24
+    assert len(flags) == 25
 
 
 def test_progress_lines_carry_an_eta(monkeypatch, capsys):
