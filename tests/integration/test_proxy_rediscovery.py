@@ -225,3 +225,27 @@ def test_a_hung_prefill_costs_one_bound_and_the_request_goes_to_the_next() -> No
         assert await complete(client) == 200 and cluster.prefills == {"p1": 1, "p2": 3}  # p1 out of rotation
 
     run(["p1", "p2"], scenario, discovery_timeout=BOUND)
+
+
+def test_a_missed_health_probe_fails_no_request_and_keeps_the_side_channel() -> None:
+    """A health probe with no answer (a prefill slowed by a starved host, as in CI: load 42 on 2 cores) takes the
+    instance out of rotation but fails nothing that was sent to it: a request waiting for the instance's lock
+    while the probe fires still gets the side channel (it was answered 503 at once before), the cached side
+    channel is kept (no new discovery on the starved instance), and the only prefill still serves."""
+    async def scenario(cluster: FakeCluster, proxy: Any, client: Any) -> None:
+        (p,) = proxy.prefill
+        assert await complete(client) == 200 and cluster.discoveries["p1"] == 1
+        side, failed_at = dict(p.side), p.failed_at
+        p.side_checked -= proxy_mod.REVALIDATE_AFTER_S + 1  # the waiter below takes the lock, not the cache
+        await p.lock.acquire()  # another request's discovery holds the instance
+        waiter = asyncio.ensure_future(proxy.discover(p, []))
+        await asyncio.sleep(0.05)
+        p.probed(None, "none within 5 s", 10.0)  # the probe gives up on it meanwhile
+        assert not p.up(time.monotonic()) and p.side == side and p.failed_at == failed_at
+        p.lock.release()
+        assert await asyncio.wait_for(waiter, 5) == side
+        assert await complete(client) == 200  # out of rotation, but the only one: served
+        assert cluster.discoveries["p1"] == 1 and cluster.prefills["p1"] == 2
+        assert p.up(time.monotonic()) and p.failures == 0  # its answer put it back in rotation
+
+    run(["p1"], scenario, health_interval=None)

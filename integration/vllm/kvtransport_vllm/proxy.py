@@ -129,7 +129,7 @@ class Instance:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     failures: int = 0  # consecutive
     down_until: float = 0.0
-    failed_at: float = 0.0  # the last mark_down (monotonic)
+    failed_at: float = 0.0  # the last mark_down for a failed request or discovery (monotonic); probes leave it
     why: str = ""  # the last failure
     taken_out: int = 0  # times marked down (for /metrics)
     dp_rank: int | None = None  # the data-parallel engine behind ``url`` its legs go to (X-data-parallel-rank)
@@ -143,14 +143,20 @@ class Instance:
         """``headers`` plus the one that sends a request to this instance's DP engine (when pinned)."""
         return headers if self.dp_rank is None else [*headers, (DP_HEADER, str(self.dp_rank))]
 
-    def mark_down(self, why: object) -> None:
-        """This instance failed: forget its side channel, keep it out of the rotation for a bounded backoff."""
+    def mark_down(self, why: object, *, probe: bool = False) -> None:
+        """This instance failed: keep it out of the rotation for a bounded backoff. A failed request or
+        discovery also forgets its side channel and fails the requests that were waiting for that discovery
+        (``failed_at``); a health probe that got no answer (``probe``) only takes it out: a slow instance on a
+        starved host still serves what was sent to it, and keeps the side channel it told (a restart shows in
+        the revalidation or in the prefill's own answer)."""
         self.failures += 1
         self.taken_out += 1
         backoff = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** min(self.failures - 1, 16))
-        self.failed_at = time.monotonic()
-        self.down_until = self.failed_at + backoff
-        self.side = None
+        now = time.monotonic()
+        self.down_until = now + backoff
+        if not probe:
+            self.failed_at = now
+            self.side = None
         self.why = str(why) or type(why).__name__
         log.warning("%s %s failed (%s): out of rotation for %gs", self.role, self.name, self.why, backoff)
 
@@ -173,7 +179,7 @@ class Instance:
             self.down_until = 0.0
         elif healthy is None:
             if self.up(now):
-                self.mark_down(f"no answer to GET /health: {why}")
+                self.mark_down(f"no answer to GET /health: {why}", probe=True)
             self.down_until = max(self.down_until, now + hold)
 
     def learn(self, params: dict[str, Any] | None) -> None:
