@@ -497,8 +497,9 @@ def paired(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     own spread over the rounds beside it. Rows of one round only are left out."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
-        if r.get("ttft_p50_ms") is not None and r.get("config", "").partition("#")[0] != "single-again":
-            groups.setdefault((r["config"].partition("#")[0], r["setting"]), []).append(r)
+        config = r.get("config", "").partition("#")[0]
+        if r.get("ttft_p50_ms") is not None and config != "single-again":
+            groups.setdefault((config, r["setting"]), []).append(r)
     out = []
     for (config, setting), rs in groups.items():
         if len(rs) < 2:

@@ -308,22 +308,29 @@ def _as_torch(a: Any) -> Any:
 
 
 # ====================================================================== NIXL
-def nixl_version() -> str | None:
-    """The installed nixl version, or None when ``import nixl`` fails."""
+def _installed(module: str, dists: tuple[str, ...]) -> tuple[str, str] | None:
+    """(distribution, version) of the first of ``dists`` installed, ``("unknown", "unknown")`` when none is
+    named so, or None when ``import module`` fails."""
     import importlib
 
     try:
-        importlib.import_module("nixl")
+        importlib.import_module(module)
     except Exception:
         return None
     from importlib import metadata
 
-    for dist_name in ("nixl", "nixl-cu12", "nixl-cu13"):
+    for dist_name in dists:
         try:
-            return metadata.version(dist_name)
+            return dist_name, metadata.version(dist_name)
         except metadata.PackageNotFoundError:
             continue
-    return "unknown"
+    return "unknown", "unknown"
+
+
+def nixl_version() -> str | None:
+    """The installed nixl version, or None when ``import nixl`` fails."""
+    found = _installed("nixl", ("nixl", "nixl-cu12", "nixl-cu13"))
+    return None if found is None else found[1]
 
 
 def _nixl_agent(role: str) -> Any:
@@ -384,6 +391,29 @@ def _kv_indices(cache: Any, blocks: list[int]) -> list[int]:
     return out
 
 
+def _peer_sweep_row(cfg: dict[str, Any], k: int, system: str, size: int, samples: list[float],
+                    received: Any) -> dict[str, Any]:
+    """A peer system's sweep row (the same fields as ours) for ``samples`` of one ``size``; a progress line."""
+    st = summarize(samples)
+    row = {"workload": "sweep", "case": {"size": size}, "bytes": size, "samples_s": samples, **st,
+           "gbps": gbps(size, st["median_s"]), **busy(), "verified": is_filled(received, FILL)}
+    progress(cfg, k, f"{system} sweep {_fmt(size)}: {row['gbps']:.3g} GB/s")
+    return row
+
+
+def _peer_kv_row(cfg: dict[str, Any], k: int, system: str, shape: dict[str, Any], pattern: str,
+                 samples: list[float], probe: Any) -> dict[str, Any]:
+    """A peer system's KV request row (coalescing: not ours, None) for ``samples`` of one case; a progress line."""
+    st = summarize(samples)
+    nbytes = shape["request_bytes"]
+    row = {"workload": "kv", "case": {"preset": shape["preset"], "tokens": shape["tokens"], "ids": pattern,
+                                      "coalesce": None},
+           "bytes": nbytes, "samples_s": samples, **st, "gbps": gbps(nbytes, st["median_s"]), **busy(),
+           "verified": is_filled(probe, FILL)}
+    progress(cfg, k, f"{system} kv {shape['preset']} {shape['tokens']} {pattern}: {row['gbps']:.3g} GB/s")
+    return row
+
+
 def nixl_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     use_device(cfg["recv_device"])
     agent = _nixl_agent("recv")
@@ -399,10 +429,7 @@ def nixl_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
             for i, size in enumerate(cfg["sizes"]):
                 set_bytes(arrays[i], 0)
                 d = _nixl_recv_reps(link, agent, sender, [f"nsw{i}-{r}" for r in range(1 + cfg["sweep_reps"][i])])
-                st = summarize(d)
-                rows.append({"workload": "sweep", "case": {"size": size}, "bytes": size, "samples_s": d, **st,
-                             "gbps": gbps(size, st["median_s"]), **busy(), "verified": is_filled(arrays[i], FILL)})
-                progress(cfg, k, f"nixl sweep {_fmt(size)}: {rows[-1]['gbps']:.3g} GB/s")
+                rows.append(_peer_sweep_row(cfg, k, "nixl", size, d, arrays[i]))
                 k += 1
             agent.deregister_memory(region.reg)
         else:
@@ -419,14 +446,7 @@ def nixl_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
                 probe = cache.views["layers.0"][dst[0]]
                 set_bytes(probe, 0)
                 d = _nixl_recv_reps(link, agent, sender, [f"nkv{case['index']}-{r}" for r in range(1 + case["reps"])])
-                st = summarize(d)
-                nbytes = shape["request_bytes"]
-                rows.append({"workload": "kv", "case": {"preset": shape["preset"], "tokens": shape["tokens"],
-                                                        "ids": case["pattern"], "coalesce": None},
-                             "bytes": nbytes, "samples_s": d, **st, "gbps": gbps(nbytes, st["median_s"]),
-                             **busy(), "verified": is_filled(probe, FILL)})
-                progress(cfg, k, f"nixl kv {shape['preset']} {shape['tokens']} {case['pattern']}: "
-                         f"{rows[-1]['gbps']:.3g} GB/s")
+                rows.append(_peer_kv_row(cfg, k, "nixl", shape, case["pattern"], d, probe))
                 k += 1
             agent.deregister_memory(region.reg)
             del cache
@@ -519,21 +539,10 @@ MOONCAKE_DISTS = ("mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda
 
 
 def mooncake_version() -> str | None:
-    """The installed Mooncake transfer engine's version, or None when ``import mooncake.engine`` fails."""
-    import importlib
-
-    try:
-        importlib.import_module("mooncake.engine")
-    except Exception:
-        return None
-    from importlib import metadata
-
-    for dist_name in MOONCAKE_DISTS:
-        try:
-            return f"{dist_name} {metadata.version(dist_name)}"
-        except metadata.PackageNotFoundError:
-            continue
-    return "unknown"
+    """The installed Mooncake transfer engine (``distribution version``), or None when ``import mooncake.engine``
+    fails."""
+    found = _installed("mooncake.engine", MOONCAKE_DISTS)
+    return None if found is None else ("unknown" if found[0] == "unknown" else " ".join(found))
 
 
 def _mooncake_engine(host: str) -> Any:
@@ -578,8 +587,9 @@ def _kv_pieces(cache: Any, blocks: list[int]) -> tuple[list[int], list[int]]:
 
 
 def mooncake_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
-    engine = _mooncake_engine(cfg["mooncake_hosts"]["receiver"])
-    session = f"{cfg['mooncake_hosts']['receiver']}:{engine.get_rpc_port()}"
+    host = cfg["addresses"]["receiver"]
+    engine = _mooncake_engine(host)
+    session = f"{host}:{engine.get_rpc_port()}"
     rows: list[dict[str, Any]] = []
     k = 0
     for item in cfg["items"]:
@@ -590,10 +600,7 @@ def mooncake_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
             for i, size in enumerate(cfg["sizes"]):
                 set_bytes(arrays[i], 0)
                 d = _mooncake_recv_reps(link, [f"msw{i}-{r}" for r in range(1 + cfg["sweep_reps"][i])])
-                st = summarize(d)
-                rows.append({"workload": "sweep", "case": {"size": size}, "bytes": size, "samples_s": d, **st,
-                             "gbps": gbps(size, st["median_s"]), **busy(), "verified": is_filled(arrays[i], FILL)})
-                progress(cfg, k, f"mooncake sweep {_fmt(size)}: {rows[-1]['gbps']:.3g} GB/s")
+                rows.append(_peer_sweep_row(cfg, k, "mooncake", size, d, arrays[i]))
                 k += 1
             for a in arrays:
                 engine.unregister_memory(_ptr(a))
@@ -611,14 +618,7 @@ def mooncake_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
                 probe = cache.views["layers.0"][dst[0]]
                 set_bytes(probe, 0)
                 d = _mooncake_recv_reps(link, [f"mkv{case['index']}-{r}" for r in range(1 + case["reps"])])
-                st = summarize(d)
-                nbytes = shape["request_bytes"]
-                rows.append({"workload": "kv", "case": {"preset": shape["preset"], "tokens": shape["tokens"],
-                                                        "ids": case["pattern"], "coalesce": None},
-                             "bytes": nbytes, "samples_s": d, **st, "gbps": gbps(nbytes, st["median_s"]),
-                             **busy(), "verified": is_filled(probe, FILL)})
-                progress(cfg, k, f"mooncake kv {shape['preset']} {shape['tokens']} {case['pattern']}: "
-                         f"{rows[-1]['gbps']:.3g} GB/s")
+                rows.append(_peer_kv_row(cfg, k, "mooncake", shape, case["pattern"], d, probe))
                 k += 1
             engine.unregister_memory(_ptr(cache.backing))
             del cache
@@ -634,7 +634,7 @@ def _mooncake_recv_reps(link: Any, seqs: list[str]) -> list[float]:
 
 
 def mooncake_sender(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
-    engine = _mooncake_engine(cfg["mooncake_hosts"]["sender"])
+    engine = _mooncake_engine(cfg["addresses"]["sender"])
     for item in cfg["items"]:
         if item["kind"] == "sweep":
             arrays = [alloc(size, "cpu", FILL) for size in cfg["sizes"]]
@@ -664,7 +664,7 @@ def mooncake_sender(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
             del cache
         link.barrier(f"mooncake-item-end-{item['index']}")
     link.barrier("end")
-    hosts = cfg["mooncake_hosts"]
+    hosts = cfg["addresses"]
     return done({"path": f"mooncake TCP (P2P handshake) {hosts['sender']} -> {hosts['receiver']}"})
 
 

@@ -411,10 +411,12 @@ class Bench:
             plans[b] = ([(sh, cs) for sh, cs in kv if self.fits("kv", system, sh, staged)],
                         [g for g in overlap if self.fits("overlap", system, kv_shape(g["shape"]["preset"],
                                                                                      g["shape"]["tokens"]), staged)])
-        nixl_kv = [(sh, cs) for sh, cs in kv if self.fits("kv", "nixl", sh, False)] if nixl_ver else []
-        moon_kv = [(sh, cs) for sh, cs in kv if self.fits("kv", "mooncake", sh, False)] if moon_ver else []
-        self.total = len(raw_sizes) * (2 if o.netns else 1) + ((len(sizes) + sum(len(c) for _, c in nixl_kv)) if nixl_ver else 0)
-        self.total += (len(sizes) + sum(len(c) for _, c in moon_kv)) if moon_ver else 0
+        # peer systems: (name, what the skip list calls it, status); installed ones run over the KV cases that fit
+        peers = [("nixl", "NIXL baseline", nixl_status), ("mooncake", "Mooncake baseline", moon_status)]
+        peer_kv = {name: [(sh, cs) for sh, cs in kv if self.fits("kv", name, sh, False)]
+                   for name, ver in (("nixl", nixl_ver), ("mooncake", moon_ver)) if ver}
+        self.total = len(raw_sizes) * (2 if o.netns else 1)
+        self.total += sum(len(sizes) + sum(len(c) for _, c in cases) for cases in peer_kv.values())
         for pkv, pov in plans.values():
             self.total += len(sizes) + 2 * sum(len(c) for _, c in pkv) + len(pov) + (1 if "latency" in o.workloads else 0)
 
@@ -431,14 +433,11 @@ class Bench:
             self._run_raw(raw_sizes, sizes, kv)
         if raw_sizes and o.netns:
             self._run_tcp(raw_sizes, sizes, kv)
-        if nixl_ver and (sizes or nixl_kv):
-            self._run_peer("nixl", sizes, nixl_kv)
-        elif "sweep" in o.workloads or "kv" in o.workloads:
-            self.skips.append(Skip("sweep,kv", "NIXL baseline", nixl_status if o.nixl else "disabled (--no-nixl)"))
-        if moon_ver and (sizes or moon_kv):
-            self._run_peer("mooncake", sizes, moon_kv)
-        elif "sweep" in o.workloads or "kv" in o.workloads:
-            self.skips.append(Skip("sweep,kv", "Mooncake baseline", moon_status))
+        for name, label, status in peers:
+            if name in peer_kv and (sizes or peer_kv[name]):
+                self._run_peer(name, sizes, peer_kv[name])
+            elif "sweep" in o.workloads or "kv" in o.workloads:
+                self.skips.append(Skip("sweep,kv", label, status))
 
         from .report import annotate
 
@@ -567,9 +566,10 @@ class Bench:
             items.append({"kind": "kv", "index": len(items), "shape": shape.to_dict(), "cases": cs})
         n += k
         est = sum(s * 20 / 3e8 for s in sizes) + sum(s.request_bytes * 6 / 3e8 for s, _ in kv)
-        hosts = {role: str(self.hosts[role].address) if self.hosts else "127.0.0.1" for role in ("receiver", "sender")}
+        # each role's own address (--netns: its host's), for peers that bind one (Mooncake)
+        addresses = {role: str(self.hosts[role].address) if self.hosts else "127.0.0.1" for role in ("receiver", "sender")}
         cfg = self._cfg(system, n, sizes=sizes, sweep_reps=[sweep_reps(s, o.smoke, o.reps_scale) for s in sizes],
-                        items=items, mooncake_hosts=hosts)
+                        items=items, addresses=addresses)
         res = self.pair("baselines", system, cfg, est, system, "sweep,kv")
         if res:
             self.add_rows(res[0]["rows"], system)

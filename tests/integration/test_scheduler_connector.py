@@ -398,13 +398,17 @@ def test_incompatible_peer_is_refused(pair) -> None:
     _, dparams = pr.push_params("incompat")
     dreq = make_request(list(range(40)), params=dparams, block_size=32)
     _decode_admit(pr, dreq)
+    _wait_refused(pr, dreq, "incompatible KV caches, fields that differ: kv_cache")
 
+
+def _wait_refused(pr: Pair, dreq, reason_end: str) -> None:
+    """Step the decode until ``dreq``'s receive fails; its reason must end with ``reason_end``."""
     def failed() -> bool:
         so = pr.d.schedule()
         pr.d.update_from_output(so, empty_output())
         reasons = plan_of(so).recv_fail
         if dreq.request_id in reasons:
-            assert reasons[dreq.request_id].endswith("incompatible KV caches, fields that differ: kv_cache")
+            assert reasons[dreq.request_id].endswith(reason_end)
             return True
         return False
     wait_until(failed)
@@ -419,17 +423,8 @@ def test_unlike_tp_with_a_block_layout_is_refused_at_the_handshake(pair, caplog)
     _, dparams = pr.push_params("mla-tp")
     dreq = make_request(list(range(40)), params=dparams)
     _decode_admit(pr, dreq)
-
-    def failed() -> bool:
-        so = pr.d.schedule()
-        pr.d.update_from_output(so, empty_output())
-        reasons = plan_of(so).recv_fail
-        if dreq.request_id in reasons:
-            assert reasons[dreq.request_id].endswith("incompatible KV caches, fields that differ: kv_cache")
-            return True
-        return False
     with caplog.at_level(logging.WARNING):
-        wait_until(failed)
+        _wait_refused(pr, dreq, "incompatible KV caches, fields that differ: kv_cache")
     assert "blocks of tp_size 1 and block_size 16 (like-for-like peers only)" in caplog.text
     assert "blocks of tp_size 2 and block_size 16 (like-for-like peers only)" in caplog.text
 
