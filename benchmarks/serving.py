@@ -10,6 +10,9 @@ Every configuration runs in the same session on the same GPU (instances share it
                    kvtransport-proxy --first-token decode)
     pull-mscclpp   the same instances, pull flow (kvtransport-proxy --mode pull)
     push-ucx       kvtransport P/D, layer-wise push, KV_TRANSPORT=ucx
+    push-ucx-syncdecode   the ucx prefill with a decode of its own started with ``--no-async-scheduling`` (is the
+                   decode's asynchronous scheduling what puts a step between the KV landing and its first
+                   forward? the second token tells; also ``push-mscclpp-syncdecode``)
     nixl           vLLM's NixlConnector (kv_both on both sides) behind a NIXL-style toy proxy (prefill first)
     single-again   the baseline once more at the end (drift over the session)
 
@@ -158,8 +161,12 @@ def wait_ready(servers: list[Server], timeout: float) -> None:
         time.sleep(2)
 
 
+SYNC_DECODE = "-syncdecode"
+"""A configuration suffix: the pair's prefill with a decode started with ``--no-async-scheduling``."""
+
+
 def vllm_server(name: str, model: Path, kv: dict[str, Any] | None, env: dict[str, str], logs: Path,
-                kv_bytes: int) -> Server:
+                kv_bytes: int, extra: tuple[str, ...] = ()) -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", MODEL_NAME, "--load-format", "dummy", "--dtype", "bfloat16", "--port", str(port),
@@ -167,7 +174,7 @@ def vllm_server(name: str, model: Path, kv: dict[str, Any] | None, env: dict[str
            "--gpu-memory-utilization", "0.15", "--kv-cache-memory-bytes", str(kv_bytes)]
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv)]
-    return Server(name, cmd, env, port, logs)
+    return Server(name, [*cmd, *extra], env, port, logs)
 
 
 def proxy_server(name: str, prefill: Server, decode: Server, mode: str, env: dict[str, str], logs: Path,
@@ -302,6 +309,8 @@ def run_all(model: Path, out: Path, configs: list[str], kv_gib: float, wait_for:
     running: list[Server] = [single]
 
     def start_pairs(backends: list[str]) -> dict[str, tuple[Server, Server]]:
+        """A prefill and a decode per backend; with a ``-syncdecode`` configuration of that backend also a decode
+        started with ``--no-async-scheduling`` (pairs key ``<backend>-syncdecode``: the same prefill)."""
         pairs = {}
         for backend in backends:
             if backend == "nixl":
@@ -314,6 +323,11 @@ def run_all(model: Path, out: Path, configs: list[str], kv_gib: float, wait_for:
                 e = dict(env, KV_TRANSPORT=backend, KV_TRANSPORT_VLLM_TRACE=str(out / "trace" / backend))
                 p = vllm_server(f"prefill-{backend}", model, {**kvt, "kv_role": "kv_producer"}, e, logs, kv_bytes)
                 d = vllm_server(f"decode-{backend}", model, {**kvt, "kv_role": "kv_consumer"}, e, logs, kv_bytes)
+                if any(c.startswith(f"push-{backend}{SYNC_DECODE}") for c in configs):
+                    sd = vllm_server(f"decode-{backend}{SYNC_DECODE}", model, {**kvt, "kv_role": "kv_consumer"}, e,
+                                     logs, kv_bytes, ("--no-async-scheduling",))
+                    pairs[backend + SYNC_DECODE] = (p, sd)
+                    running.append(sd)
             pairs[backend] = (p, d)
             running.extend((p, d))
         return pairs
@@ -358,7 +372,7 @@ def run_all(model: Path, out: Path, configs: list[str], kv_gib: float, wait_for:
             prx.stop()
 
     try:
-        first = start_pairs([b for b in ("mscclpp", "ucx") if any(c.endswith("-" + b) for c in configs)])
+        first = start_pairs([b for b in ("mscclpp", "ucx") if any(c.split("-")[1:2] == [b] for c in configs)])
         ok = ready(running)
         if wait_for is not None:
             print(f"[serving] instances up; waiting for {wait_for}", flush=True)
@@ -371,14 +385,15 @@ def run_all(model: Path, out: Path, configs: list[str], kv_gib: float, wait_for:
                     measure(c + tag, "single", None)
                 elif c.split("-")[0] in ("push", "pull") and c.split("-")[1] in first:
                     mode, backend = c.split("-")[:2]
-                    pair = first[backend]
+                    pair = first.get(backend + SYNC_DECODE if c.endswith(SYNC_DECODE) else backend)
+                    if pair is None:
+                        continue
                     if all(s in ok for s in pair):
                         measure(c + tag, mode, pair, "decode" if c.endswith("-decode-first") else "prefill",
                                 out / "trace" / backend)
-        for pair in first.values():
-            for s in pair:
-                s.stop()
-                running.remove(s)
+        for s in {s.name: s for pair in first.values() for s in pair}.values():  # a prefill may serve two decodes
+            s.stop()
+            running.remove(s)
         if "nixl" in configs:
             pair = start_pairs(["nixl"])["nixl"]
             if all(s in ready(list(pair)) for s in pair):
@@ -407,8 +422,14 @@ SEGMENTS = [  # (name, from milestone, to milestone): where a P/D request's time
     ("dst_to_worker", "d.alloc", "w.bind"),
     ("dst_to_scheduler", "d.alloc", "p.dst"),
     ("decode_answer", "d.reported", "proxy.decode_first"),
+    ("reported_to_scheduled", "d.reported", "d.scheduled"),
+    ("scheduled_to_answer", "d.scheduled", "proxy.decode_first"),
     ("second_token_after_first", "proxy.first_out", "proxy.decode_first"),
 ]
+
+
+DECODE_KEYED = ("p.signal", "d.landed", "d.reported", "d.scheduled")
+"""Milestones keyed by the decode request (joined to the transfer through ``d.alloc``/``d.new``)."""
 
 
 def load_trace(directory: Path) -> list[dict[str, Any]]:
@@ -431,7 +452,7 @@ def breakdown(rows: list[dict[str, Any]], t0: float, t1: float) -> dict[str, Any
     for r in rows:
         if not t0 <= r["t"] <= t1:
             continue
-        key = seq_to_xfer.get(r["key"], r["key"]) if r["ev"] in ("p.signal", "d.landed", "d.reported") else r["key"]
+        key = seq_to_xfer.get(r["key"], r["key"]) if r["ev"] in DECODE_KEYED else r["key"]
         first.setdefault(key, {}).setdefault(r["ev"], r["t"])
         if r["ev"] == "w.bind" and isinstance(r.get("phase"), str):
             phases[r["phase"]] = phases.get(r["phase"], 0) + 1

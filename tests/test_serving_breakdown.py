@@ -28,10 +28,10 @@ def request(xfer: str, seq: str, t0: float, bind: float = 0.002, phase: str = "d
     at = {"proxy.recv": 0.0, "proxy.sent": 0.001, "p.new": 0.003, "d.new": 0.0035, "d.alloc": 0.004,
           "w.bind": 0.004 + bind, "p.dst": 0.0065, "p.scheduled": 0.0055, "p.finished": 0.0605, "p.signal": 0.0606,
           "d.landed": 0.0607, "proxy.prefill_done": 0.0625, "p.first_sent": 0.0606, "d.first": 0.061,
-          "proxy.first_out": 0.063, "d.reported": 0.0612, "proxy.decode_first": 0.068}
+          "proxy.first_out": 0.063, "d.reported": 0.0612, "d.scheduled": 0.0627, "proxy.decode_first": 0.068}
     rows = []
     for ev, dt in at.items():
-        key = seq if ev in ("p.signal", "d.landed", "d.reported") else xfer
+        key = seq if ev in ("p.signal", "d.landed", "d.reported", "d.scheduled") else xfer
         row: dict[str, Any] = {"t": t0 + dt, "ev": ev, "key": key}
         if ev in ("d.new", "d.alloc", "d.first"):
             row["seq"] = seq
@@ -51,6 +51,8 @@ def test_breakdown_gives_the_median_of_each_segment_inside_the_window(serving: M
     assert b["ttft_at_proxy"] == {"p50_ms": 63.0, "n": 3}
     assert b["landed_after_signal"] == {"p50_ms": pytest.approx(0.1, abs=1e-3), "n": 3}  # joined via d.alloc
     assert b["decode_answer"] == {"p50_ms": pytest.approx(6.8, abs=1e-3), "n": 3}
+    assert b["reported_to_scheduled"] == {"p50_ms": pytest.approx(1.5, abs=1e-3), "n": 3}  # joined via d.alloc
+    assert b["scheduled_to_answer"] == {"p50_ms": pytest.approx(5.3, abs=1e-3), "n": 3}
     assert b["second_token_after_first"] == {"p50_ms": 5.0, "n": 3}
     assert b["dst_to_worker"] == {"p50_ms": pytest.approx(2.0, abs=1e-3), "n": 3}
     assert b["dst_to_scheduler"] == {"p50_ms": pytest.approx(2.5, abs=1e-3), "n": 3}

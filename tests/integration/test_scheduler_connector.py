@@ -15,6 +15,8 @@ pytest.importorskip("kvtransport_vllm", reason="kvtransport-vllm is not installe
 
 from vllm.v1.request import RequestStatus
 
+from kvtransport_vllm import trace
+
 from .vllm_helpers import (
     EOS,
     PrefillWorkers,
@@ -857,11 +859,24 @@ def test_fanout_release_waits_for_every_destination(pair) -> None:
     assert w.signals == {d1.request_id: "layerwise", d2.request_id: "whole"}
 
 
-def test_first_token_flow_continues_the_decode_from_the_prefills_token(pair) -> None:
+def test_first_token_flow_continues_the_decode_from_the_prefills_token(pair, tmp_path) -> None:
     """Splitwise's order: the prefill samples the first token; the decode gets it over the side channel,
     appends it to its prompt (the model runner reads it from there), computes only its KV and samples the second
     token, and reports both to its API server in its first output. Its workers may report the KV landed only
-    once the token is there."""
+    once the token is there. Traced: the step that first schedules it records ``d.scheduled`` once."""
+    trace.configure(str(tmp_path / "trace"), "decode-scheduler")
+    try:
+        rid, before, after = _first_token_flow(pair)
+    finally:
+        trace.configure(None, "")
+    scheduled = [r for r in trace.load(tmp_path / "trace") if r["ev"] == "d.scheduled"]
+    assert [r["key"] for r in scheduled] == [rid]  # once, in the step that scheduled its first forward
+    assert before <= scheduled[0]["t"] <= after
+
+
+def _first_token_flow(pair) -> tuple[str, float, float]:
+    """The flow of the test above; returns the decode request's id and the bounds of the step that first
+    scheduled it."""
     pr = pair()
     prompt = list(range(10, 10 + 40))  # 3 blocks of 16, the last one partial
     pparams, dparams = pr.push_params("ft")
@@ -888,7 +903,9 @@ def test_first_token_flow_continues_the_decode_from_the_prefills_token(pair) -> 
     wait_until(released)
     assert list(dreq.prompt_token_ids) == [*prompt, 77] and dreq.num_prompt_tokens == 41
     assert list(dreq.all_token_ids) == [*prompt, 77] and dreq.num_output_tokens == 0
+    before = time.monotonic()
     so = pr.d.schedule()
+    after = time.monotonic()
     assert so.num_scheduled_tokens == {dreq.request_id: 1}  # only the first token's KV: the prompt landed
     assert dreq.num_computed_tokens == len(prompt) + 1  # 40 landed + the first token, scheduled
     (new,) = so.scheduled_new_reqs
@@ -902,6 +919,7 @@ def test_first_token_flow_continues_the_decode_from_the_prefills_token(pair) -> 
     outs = pr.d.update_from_output(so, runner_output([dreq], token=EOS))
     (out,) = [o for eco in outs.values() for o in eco.outputs if o.request_id == dreq.request_id]
     assert list(out.new_token_ids) == [EOS]  # once
+    return dreq.request_id, before, after
 
 
 def test_first_token_flow_with_a_partial_prefix_hit_and_an_early_token(pair) -> None:

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.kvtransport")
 
 WORKER_LINK_RETRY_S = 5.0
+TRACED_REPORTED = 4096
+"""Tracing on: landed requests remembered until their first schedule (``d.scheduled``); the oldest go first."""
 """A prefill worker's destination channel that failed is not reopened sooner (its destinations still reach the
 worker through the prefill's scheduler)."""
 PREFILL_LOST = "prefill lost: "
@@ -84,6 +86,7 @@ class Consumer:
         self.worker_links: dict[tuple[str, int, int], PeerClient] = {}  # (prefill host, port, rank) -> link
         self._link_retry: dict[tuple[str, int, int], float] = {}  # a dead link is not reopened before this time
         self._late: list[tuple[float, tuple[str, int], dict[str, Any]]] = []  # test-only (debug_dst_delay)
+        self._reported: OrderedDict[str, None] = OrderedDict()  # traced: landed, not scheduled yet (d.scheduled)
 
     # ------------------------------------------------------------------ vLLM hooks (decode requests)
     def on_new_request(self, request: Any) -> None:
@@ -218,6 +221,18 @@ class Consumer:
             self.recvs.pop(rid, None)
             self.wanted.pop(rid, None)
             self.first_waits.pop(rid, None)
+            if trace.enabled():
+                self._reported[rid] = None
+                while len(self._reported) > TRACED_REPORTED:
+                    self._reported.popitem(last=False)
+
+    def trace_scheduled(self, scheduler_output: Any) -> None:
+        """Tracing on: record ``d.scheduled`` for the requests whose receive ended and that this step schedules
+        for the first time (the decode's first forward of them)."""
+        for nd in getattr(scheduler_output, "scheduled_new_reqs", ()):
+            if nd.req_id in self._reported:
+                del self._reported[nd.req_id]
+                trace.event("d.scheduled", nd.req_id)
 
     def awaits_first_token(self) -> bool:
         """Whether an allocated request waits for its first token (side channel)."""

@@ -434,6 +434,8 @@ class SchedulerSide:
             self._new_peers.clear()
         if self.decode is not None:
             self.decode.plan_step(plan, now)
+            if trace.enabled():
+                self.decode.trace_scheduled(scheduler_output)
         for rid, blocks in self._refused_claimed.items():  # their workers report the load failed at once
             plan.recv_start[rid] = self.settings.transfer_timeout
             plan.recv_blocks[rid] = blocks

@@ -25,6 +25,7 @@ Milestones (``key`` is the proxy's transfer id ``kvt_xfer`` where the process kn
     d.first               the decode scheduler received the first token and appended it (``seq``)
     d.landed              a decode worker saw the sequence's KV land (``seq``)
     d.reported            a decode worker reported it finished to vLLM (``seq``)
+    d.scheduled           the decode scheduler scheduled it for its first forward (``seq``)
 
 Writes are line-buffered appends from whichever thread reaches a milestone (a lock per process); each costs a
 few microseconds. Nothing here is read by the connector itself.
