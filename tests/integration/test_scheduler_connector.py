@@ -13,9 +13,8 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (integration/vllm/ci_setup.sh builds its venv)")
 pytest.importorskip("kvtransport_vllm", reason="kvtransport-vllm is not installed")
 
-from vllm.v1.request import RequestStatus
-
 from kvtransport_vllm import trace
+from vllm.v1.request import RequestStatus
 
 from .vllm_helpers import (
     EOS,

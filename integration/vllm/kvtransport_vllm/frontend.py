@@ -21,17 +21,14 @@ Who calls: the plugin (every vLLM process, once); vLLM's API server (the wrapper
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.machinery
 import logging
-import sys
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 from . import CONNECTOR_NAME
 from .metadata import TransferParamsError, parse_transfer_params
+from .patching import on_import
 
 log = logging.getLogger("vllm.kvtransport")
 
@@ -39,7 +36,6 @@ TARGET_MODULE = "vllm.v1.engine.input_processor"
 TARGET_CLASS = "InputProcessor"
 TARGET_METHOD = "_validate_params"
 _MARK = "_kvtransport_checks_params"
-_lock = threading.Lock()
 
 
 def names_this_connector(vllm_config: Any) -> bool:
@@ -103,46 +99,7 @@ def _patch(module: ModuleType) -> None:
                  TARGET_CLASS, TARGET_METHOD)
 
 
-class _PatchingLoader(importlib.abc.Loader):
-    """Delegates to the module's own loader, then wraps the class in the fresh module."""
-
-    def __init__(self, inner: importlib.abc.Loader) -> None:
-        self.inner = inner
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self.inner.exec_module(module)
-        _patch(module)
-
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: for :data:`TARGET_MODULE` only, asks the finders after it and wraps the loader."""
-
-    def find_spec(self, fullname: str, path: Sequence[str] | None,
-                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname != TARGET_MODULE:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or isinstance(finder, _PatchOnImport):
-                continue
-            find = getattr(finder, "find_spec", None)
-            spec: importlib.machinery.ModuleSpec | None = find(fullname, path, target) if find is not None else None
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _PatchingLoader(spec.loader)
-                return spec
-        return None
-
-
 def install() -> None:
     """Make the API server refuse bad ``kv_transfer_params`` with HTTP 400 (module docstring). Idempotent; never
-    raises; cheap (a name comparison per import until vLLM's input processor is imported)."""
-    with _lock:
-        module = sys.modules.get(TARGET_MODULE)
-        if module is not None:
-            _patch(module)
-            return
-        if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-            sys.meta_path.insert(0, _PatchOnImport())
+    raises; cheap (:func:`.patching.on_import`)."""
+    on_import(TARGET_MODULE, _patch)

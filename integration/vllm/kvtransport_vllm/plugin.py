@@ -73,9 +73,10 @@ def register() -> bool:
     if not _checked:
         _checked = True
         fail_fast(sys.argv, os.environ)
-    from .frontend import install
+    from . import frontend, primer
 
-    install()  # bad kv_transfer_params: HTTP 400 from the API server (kvtransport_vllm.frontend)
+    frontend.install()  # bad kv_transfer_params: HTTP 400 from the API server (kvtransport_vllm.frontend)
+    primer.install()  # P/D requests' detokenizers primed while they wait (kvtransport_vllm.primer)
     with _lock:
         try:
             from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
