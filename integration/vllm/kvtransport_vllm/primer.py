@@ -1,7 +1,7 @@
 """The API server's detokenizer of a P/D request, primed with its prompt while the request waits for its first
 output, so that the first output does not pay for the whole prompt.
 
-vLLM 0.32 starts each request's incremental detokenizer as
+vLLM (0.24 and 0.32: the same code) starts each request's incremental detokenizer as
 ``DecodeStream(ids=prompt)``, and the stream's first ``step`` decodes the whole prompt twice, on the answer path of
 the request's first output: at 2k / 8k prompt tokens 0.41 / 1.58 ms with a byte-level decoder (Llama 3's kind),
 2.03 / 8.06 ms with a WordPiece one, 0.20 / 0.79 ms with the serving benchmark's WordLevel tokenizer
@@ -104,7 +104,7 @@ def stream_type_of(module: ModuleType) -> Callable[..., Any] | None:
 
 def primes_natively(init: Callable[..., Any]) -> bool:
     """Whether ``init`` (a detokenizer's constructor) starts its stream with the whole prompt
-    (``DecodeStream(ids=request.prompt_token_ids)``, vLLM 0.32). Older vLLMs prime it with a short suffix of
+    (``DecodeStream(ids=request.prompt_token_ids)``, vLLM 0.24 to 0.32). Older vLLMs prime it with a short suffix of
     the prompt instead: nothing to gain, and a full-prompt stream could word an edge case differently."""
     try:
         source = inspect.getsource(init)
