@@ -53,8 +53,8 @@ core() {
 scheduler() {
   mkdir -p "$SCHED_DIR"
   # copies keep their times, so mutmut regenerates only what changed since the last run
-  rm -rf "$SCHED_DIR/kvtransport_vllm" "$SCHED_DIR/tests"
-  cp -rp integration/vllm/kvtransport_vllm "$SCHED_DIR/"
+  rm -rf "$SCHED_DIR/kvtransport_vllm" "$SCHED_DIR/tests" "$SCHED_DIR/benchmarks"
+  cp -rp integration/vllm/kvtransport_vllm benchmarks "$SCHED_DIR/"
   mkdir -p "$SCHED_DIR/tests"
   cp -rp tests/conftest.py tests/integration "$SCHED_DIR/tests/"
   "$VENV/bin/python" - "$SCHED_DIR/pyproject.toml" <<'PY'
@@ -66,9 +66,14 @@ lines = ["# written by scripts/mutation.sh: the scheduler stage of the mutation 
 lines += [f"{k} = {toml(v)}" for k, v in ini.items()]
 lines += ["", "[tool.mutmut]",
           'source_paths = ["kvtransport_vllm/scheduler.py", "kvtransport_vllm/producer.py", '
-          '"kvtransport_vllm/consumer.py", "kvtransport_vllm/pushplan.py"]',
-          'also_copy = ["kvtransport_vllm/", "tests/"]',
-          'pytest_add_cli_args_test_selection = ["tests/integration/test_scheduler_connector.py"]',
+          '"kvtransport_vllm/consumer.py", "kvtransport_vllm/pushplan.py", "kvtransport_vllm/pusher.py", '
+          '"kvtransport_vllm/worker.py", "kvtransport_vllm/sidechannel.py"]',
+          'also_copy = ["kvtransport_vllm/", "tests/", "benchmarks/"]',
+          'pytest_add_cli_args_test_selection = ["tests/integration/test_scheduler_connector.py", '
+          '"tests/integration/test_pushplan.py", "tests/integration/test_worker_connector.py", '
+          '"tests/integration/test_worker_hostile.py", "tests/integration/test_worker_reshard.py", '
+          '"tests/integration/test_dst_channel.py", "tests/integration/test_sidechannel_auth.py", '
+          '"tests/integration/test_sidechannel_bounds.py", "tests/integration/test_sidechannel_retry.py"]',
           "do_not_mutate_patterns = ['\\blog\\.(debug|info|warning|error|exception)\\(', '^\\s*raise \\w+(\\.\\w+)?\\(']",
           'pytest_add_cli_args = ["-p", "no:cacheprovider", "-x", "-q", "--timeout=60"]']
 open(sys.argv[1], "w").write("\n".join(lines) + "\n")

@@ -375,3 +375,73 @@ def test_the_pusher_host_cost_benchmark_runs() -> None:
     spec.loader.exec_module(mod)
     out = mod.measure(3)
     assert out["per_step_us"] < out["per_layer_us"] and (out["layers"], out["blocks"]) == (32, 128), out
+
+
+def test_early_destinations_budgets_are_kept_exactly_and_the_largest_holder_gives_way(monkeypatch) -> None:
+    """The early-destination budgets (module docstring of pushplan), with small limits: what each engine holds is
+    counted exactly through holds, evictions, cancels and binds; a newcomer is made room for by the engine holding
+    the most (its oldest first, only down to the newcomer's share); a per-engine or global budget it cannot fit
+    refuses it and drops nothing; a cancelled or bound destination frees its share at once."""
+    monkeypatch.setattr(plan_mod, "MAX_ORPHAN_BLOCKS", 100)
+    monkeypatch.setattr(plan_mod, "MAX_ORPHAN_BLOCKS_PER_ENGINE", 60)
+    monkeypatch.setattr(plan_mod, "MAX_PENDING_PER_XFER", 2)
+    p = PushPlanner([0], 4, lambda e: None)
+    entry = plan_mod.ORPHAN_ENTRY_COST  # 16: a destination of n blocks costs 16 + n
+
+    def hold(xfer: str, engine: str, blocks: int, seq: str = "s") -> str:
+        return p.bind(Bind(xfer, engine, seq, tuple(range(1, blocks + 1)), 0), now=1.0)[1]
+
+    assert entry == 16
+    assert [hold(x, "A", 4) for x in ("a1", "a2", "a3")] == ["pending"] * 3  # A: 60, its whole share
+    assert hold("b1", "B", 4) == "pending"
+    assert (p.orphan_usage("A"), p.orphan_usage("B"), p.orphan_total) == (60, 20, 80)
+    assert hold("c1", "C", 14) == "pending"  # 30 more than the 100 allow: A, the largest, drops its oldest (a1)
+    assert p.counts["evicted"] == 1 and "a1" not in p.pending and {"a2", "a3", "b1", "c1"} <= set(p.pending)
+    assert (p.orphan_usage("A"), p.orphan_usage("C"), p.orphan_total) == (40, 30, 90)
+    assert hold("b2", "B", 54).startswith("refused: decode engine B holds too many")  # 20 + 70 > 60
+    assert hold("d1", "D", 44).startswith("refused: destinations whose prefill request has not arrived fill")
+    assert (p.orphan_total, p.counts["evicted"]) == (90, 1)  # a refusal drops nothing
+    assert hold("g1", "G", 24).startswith("refused: destinations")  # 40: A holds exactly that much, no more
+    assert (p.orphan_total, p.counts["evicted"]) == (90, 1)
+    p.cancel("a2", "s")  # the decode gave it up: its share is free at once
+    assert (p.orphan_usage("A"), p.orphan_total) == (20, 70) and "a2" not in p.pending
+    p.cancel("a3", "s")
+    assert p.orphan_usage("A") == 0 and "A" not in p._orphans and p.orphan_total == 50
+    assert [hold("x", "E", 1, s) for s in ("e1", "e2", "e3")] == ["pending", "pending",
+                                                                   "refused: too many destinations for one transfer"]
+    p.cancel("x", "e1")
+    assert hold("x", "E", 1, "e4") == "pending"  # one of the two per-transfer places came free
+    assert p.orphan_usage("E") == 2 * (entry + 1)
+    p.step([SourceStep("r", "b1", 4, ((9,),), 0, 4)])  # b1's request comes: bound, out of the budgets
+    assert list(p.sources["b1"].dsts) == ["s"] and "b1" not in p.pending
+    assert p.orphan_usage("B") == 0 and "B" not in p._orphans and p.orphan_total == 30 + 2 * (entry + 1)
+
+
+def test_a_cancel_refreshes_what_is_remembered(monkeypatch) -> None:
+    """The cancelled pairs are kept in the order they were last cancelled: cancelling one again keeps it past
+    newer ones."""
+    monkeypatch.setattr(plan_mod, "MAX_CANCELLED", 3)
+    p = PushPlanner([0], 4, lambda e: None)
+    for s in ("s0", "s1", "s2"):
+        p.cancel("x", s)
+    p.cancel("x", "s0")  # again: now the newest
+    p.cancel("x", "s3")  # one too many: s1, the oldest, goes
+    assert list(p.cancelled) == [("x", "s2"), ("x", "s0"), ("x", "s3")]
+    assert p.bind(Bind("x", "D", "s1", (1,), 0))[1] == "pending"
+    assert p.bind(Bind("x", "D", "s0", (1,), 0))[1] == "cancelled"
+
+
+def test_the_largest_holder_gives_up_only_down_to_the_newcomers_share(monkeypatch) -> None:
+    """A holds 60, B 40 (the whole 100); C asks for 40: A drops its oldest (down to 40, C's share) and no more;
+    then A and B hold no more than C would: C is refused, and the one A dropped stays dropped."""
+    monkeypatch.setattr(plan_mod, "MAX_ORPHAN_BLOCKS", 100)
+    monkeypatch.setattr(plan_mod, "MAX_ORPHAN_BLOCKS_PER_ENGINE", 60)
+    p = PushPlanner([0], 4, lambda e: None)
+    for xfer, engine in (("a1", "A"), ("a2", "A"), ("a3", "A"), ("b1", "B"), ("b2", "B")):
+        assert p.bind(Bind(xfer, engine, "s", (1, 2, 3, 4), 0), now=1.0)[1] == "pending"  # 20 each
+    assert p.bind(Bind("c1", "C", "s", tuple(range(1, 25)), 0), now=1.0)[1].startswith("refused: destinations")
+    assert (p.orphan_usage("A"), p.orphan_usage("B"), p.orphan_total, p.counts["evicted"]) == (40, 40, 80, 1)
+    assert set(p.pending) == {"a2", "a3", "b1", "b2"}
+    hybrid = PushPlanner([0, 1], 4, lambda e: None)  # a destination's block ids of every KV cache group count
+    assert hybrid.bind(Bind("h", "H", "s", (1, 2), 0, ((3, 4, 5),)), now=1.0)[1] == "pending"
+    assert hybrid.orphan_usage("H") == plan_mod.ORPHAN_ENTRY_COST + 2 + 3
