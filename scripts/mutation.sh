@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Mutation testing (mutmut 3.8.1) of the safety modules: coalesce, semaphores, wire, layout, checks and the
-# receive-side checks of manager.py and receiving.py (stage "core"), and the vLLM connector's scheduler rules (stage
-# "scheduler"). Report and every survivor explained: docs/mutation.md.
+# receive-side checks of manager.py and receiving.py (stage "core"), and the vLLM connector (stage "scheduler": its
+# scheduler side, producer, consumer, pushplan, pusher, worker and sidechannel, against their unit tests). Report and every survivor explained: docs/mutation.md.
 #
 #   bash scripts/mutation.sh                        # both stages (a few hours on one core)
 #   bash scripts/mutation.sh core [NAME_PATTERN...] # the core only, or only the mutants named (fnmatch)

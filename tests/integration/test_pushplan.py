@@ -445,3 +445,19 @@ def test_the_largest_holder_gives_up_only_down_to_the_newcomers_share(monkeypatc
     hybrid = PushPlanner([0, 1], 4, lambda e: None)  # a destination's block ids of every KV cache group count
     assert hybrid.bind(Bind("h", "H", "s", (1, 2), 0, ((3, 4, 5),)), now=1.0)[1] == "pending"
     assert hybrid.orphan_usage("H") == plan_mod.ORPHAN_ENTRY_COST + 2 + 3
+
+
+def test_room_is_made_to_the_exact_budget_and_every_eviction_counted(monkeypatch) -> None:
+    """A holds 80 of the 100; C's 40 fits once A gave up exactly one (the total then is 100, not over it); D's 40
+    would need A below D's share: A gives up one more and D is still refused. Two evictions counted."""
+    monkeypatch.setattr(plan_mod, "MAX_ORPHAN_BLOCKS", 100)
+    monkeypatch.setattr(plan_mod, "MAX_ORPHAN_BLOCKS_PER_ENGINE", 100)
+    p = PushPlanner([0], 4, lambda e: None)
+    for xfer in ("a1", "a2", "a3", "a4"):
+        assert p.bind(Bind(xfer, "A", "s", (1, 2, 3, 4), 0), now=1.0)[1] == "pending"  # 20 each
+    blocks = tuple(range(1, 25))  # 16 + 24 = 40
+    assert p.bind(Bind("c1", "C", "s", blocks, 0), now=1.0)[1] == "pending"
+    assert (p.orphan_usage("A"), p.orphan_total, p.counts["evicted"]) == (60, 100, 1)
+    assert p.bind(Bind("d1", "D", "s", blocks, 0), now=1.0)[1].startswith("refused: destinations")
+    assert (p.orphan_usage("A"), p.orphan_usage("C"), p.orphan_total, p.counts["evicted"]) == (40, 40, 80, 2)
+    assert set(p.pending) == {"a3", "a4", "c1"}
