@@ -445,7 +445,11 @@ def check_disaggregated(cluster: dict[str, Any], proxy_url: str, seed: int, pref
                 and sent_by_prefills("vllm:kvtransport_bytes_sent_total")
                 == delta(d1, d0, "vllm:kvtransport_bytes_received_total")
                 and sent_by_prefills("vllm:kvtransport_first_tokens_sent_total") >= expected_first
-                and delta(d1, d0, "vllm:kvtransport_first_tokens_received_total") >= expected_first) \
+                and delta(d1, d0, "vllm:kvtransport_first_tokens_received_total") >= expected_first
+                # a prefill counts a transfer sent after its signal, which the decode may have landed and counted
+                # first: the count reaches Prometheus with the prefill's next step (CI, 2026-12-03: 11 of 12)
+                and sent_by_prefills("vllm:kvtransport_transfers_layerwise_total")
+                + sent_by_prefills("vllm:kvtransport_transfers_whole_total") >= n_dec) \
                 or time.monotonic() > deadline:
             break
         time.sleep(0.5)
