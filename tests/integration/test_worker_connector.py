@@ -296,11 +296,15 @@ def test_a_bound_request_refuses_another_prefills_push(pd) -> None:
         d.bind(StepPlan(recv_start={"bound": 60}, recv_from={"bound": {0: p.cm.instance}}))
         step(other, StepPlan(peers={"D": {0: meta}}, sources=[source("x", (1, 2))], binds=[dest("x", "bound", (30, 31))]),
              src)
+        # A refused frame fails the push at its sender, so how many of its puts and signals reach the decode
+        # before the sender stops is a race (CI saw 2 and 3): at least one is refused and not a byte lands.
         deadline = time.monotonic() + 20
-        while d.cm.stats()["foreign_refused"] < 3 and time.monotonic() < deadline:  # its puts and signals
+        while d.cm.stats()["foreign_refused"] < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert d.cm.stats()["foreign_refused"] >= 3, d.cm.stats()
+        assert d.cm.stats()["foreign_refused"] >= 1, d.cm.stats()
         assert "bound" not in d.transfer_results().finished_recving
+        for name in dst:
+            assert not dst[name][30].any() and not dst[name][31].any(), name
         step(p, StepPlan(peers={"D": {0: meta}}, sources=[source("y", (3, 4))], binds=[dest("y", "bound", (30, 31))]),
              src)
         poll(d, "finished_recving", "bound")
