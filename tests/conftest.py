@@ -1,4 +1,9 @@
+import importlib.util
 import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -26,3 +31,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         own = getattr(test, "_hypothesis_internal_use_settings", None)
         if own is not None and own.max_examples > _MAX_EXAMPLES:
             test._hypothesis_internal_use_settings = settings(own, max_examples=_MAX_EXAMPLES)  # type: ignore[union-attr]
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def load_script() -> Callable[[str], ModuleType]:
+    """``load_script("benchmarks/serving.py")``: a fresh module of one of the repository's scripts (benchmarks/,
+    scripts/), which are not packages; registered in ``sys.modules`` under its file name while it executes
+    (dataclasses look their module up there) and left there."""
+
+    def load(relpath: str) -> ModuleType:
+        path = REPO / relpath
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        assert spec is not None and spec.loader is not None, path
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = mod
+        spec.loader.exec_module(mod)
+        return mod
+
+    return load

@@ -2,24 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "check_figures.py"
-
 
 @pytest.fixture
-def checker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("check_figures", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "check_figures", mod)
-    spec.loader.exec_module(mod)
+def checker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, load_script: Callable[[str], ModuleType]) -> ModuleType:
+    monkeypatch.delitem(sys.modules, "check_figures", raising=False)  # (restored after the test)
+    mod = load_script("scripts/check_figures.py")
     monkeypatch.setattr(mod, "ROOT", tmp_path)
     run = tmp_path / "docs" / "cpu-runs" / "run1"
     run.mkdir(parents=True)

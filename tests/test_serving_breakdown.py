@@ -3,8 +3,8 @@ record (kvtransport_vllm.trace's format), and its report. Runs anywhere: synthet
 
 from __future__ import annotations
 
-import importlib.util
 import json
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -13,13 +13,8 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def serving() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "serving.py"
-    spec = importlib.util.spec_from_file_location("serving_bench", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def serving(load_script: Callable[[str], ModuleType]) -> ModuleType:
+    return load_script("benchmarks/serving.py")
 
 
 def request(xfer: str, seq: str, t0: float, bind: float = 0.002, phase: str = "during") -> list[dict[str, Any]]:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -166,15 +167,9 @@ def test_the_plugin_installs_the_primer_when_vllm_imports_its_detokenizer(tmp_pa
     assert out.stdout.strip() == "primed"
 
 
-def test_the_benchmark_runs_and_shows_the_saving() -> None:
+def test_the_benchmark_runs_and_shows_the_saving(load_script: Callable[[str], ModuleType]) -> None:
     """benchmarks/detok_prime.py (its figures are in docs/cpu-runs/2026-12-03-primer), tiny: one length, 3 reps."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "detok_prime.py"
-    spec = importlib.util.spec_from_file_location("detok_prime", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("benchmarks/detok_prime.py")
     (row,) = mod.measure("wordpiece", [4096], 3)
     assert row["tokenizer"] == "wordpiece" and row["prompt_tokens"] == 4096
     assert row["first_output_ms_primed"] < row["first_output_ms_plain"] / 10, row

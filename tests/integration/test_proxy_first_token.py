@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -618,20 +619,13 @@ def test_the_cli_refuses_oversized_bodies_without_growing_and_stops_on_sigterm()
             proc.wait()
 
 
-def test_the_proxy_overhead_benchmark_runs() -> None:
+def test_the_proxy_overhead_benchmark_runs(load_script: Callable[[str], ModuleType]) -> None:
     """benchmarks/proxy_overhead.py (the proxy's own cost on the first token, against fake instances) still runs
     end to end; its figure is measured on the GPU host (docs/benchmarks.md), not asserted here."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "proxy_overhead.py"
-    spec = importlib.util.spec_from_file_location("proxy_overhead", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("benchmarks/proxy_overhead.py")
     out = asyncio.run(mod.main(requests=5, words=16, decode_delay_ms=5))
     assert set(out) == {"prefill", "proxy", "proxy_cost_p50_ms", "proxy_cost_p99_ms", "requests", "prompt_words",
                         "decode_delay_ms"}
     assert set(out["proxy"]) == set(out["prefill"]) == {"p50_ms", "p90_ms", "p99_ms"}
     assert out["proxy"]["p50_ms"] > 0 and out["prefill"]["p50_ms"] > 0
     assert (out["requests"], out["prompt_words"], out["decode_delay_ms"]) == (5, 16, 5)
-    assert os.path.exists(path)

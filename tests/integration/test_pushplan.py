@@ -9,6 +9,8 @@ Pure Python (no vLLM, no transport)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -361,18 +363,11 @@ def test_the_layers_of_a_step_share_one_push_object() -> None:
     assert by_step[0][0].push is not by_step[1][0].push
 
 
-def test_the_pusher_host_cost_benchmark_runs() -> None:
+def test_the_pusher_host_cost_benchmark_runs(load_script: Callable[[str], ModuleType]) -> None:
     """benchmarks/pusher_host_cost.py: planning a layer and mapping its push once per step costs less than doing
     the mapping again for every layer (what the pusher did before)."""
-    import importlib.util
-    from pathlib import Path
-
     pytest.importorskip("torch")
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "pusher_host_cost.py"
-    spec = importlib.util.spec_from_file_location("pusher_host_cost", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("benchmarks/pusher_host_cost.py")
     out = mod.measure(3)
     assert out["per_step_us"] < out["per_layer_us"] and (out["layers"], out["blocks"]) == (32, 128), out
 
