@@ -31,7 +31,7 @@ import struct
 
 from .errors import ProtocolError
 from .semaphores import SeqId
-from .wire import _decode_seq, _encode_seq
+from .wire import decode_seq, encode_seq
 
 MAGIC = b"KVTBELL1"
 WORD_OFFSET = 64
@@ -78,7 +78,7 @@ class BellWriter:
     def announce(self, seq: SeqId, layer: int | None) -> int:
         """Write the next ticket's entry; returns the ticket, or 0 when ``seq`` does not fit an entry (that
         signal then goes by the side channel alone). Not thread-safe: the caller serialises."""
-        enc = _encode_seq(seq)[2:]
+        enc = encode_seq(seq)[2:]
         if 14 + len(enc) > ENTRY - _TICKET.size:
             return 0
         ticket = self.ticket + 1
@@ -143,7 +143,7 @@ class BellReader:
         if _TICKET.unpack_from(m, off + ENTRY - 8)[0] != ticket or _TICKET.unpack_from(m, off)[0] != ticket:
             return None
         try:
-            seq, _ = _decode_seq(struct.pack("!H", n) + raw, 0)
+            seq, _ = decode_seq(struct.pack("!H", n) + raw, 0)
         except ProtocolError:
             return None
         return seq, (None if layer < 0 else layer)

@@ -229,7 +229,7 @@ def parse_json_payload(payload: bytes, what: str) -> dict[str, Any]:
 def check_seq_id(seq: Any) -> None:
     """Raise InvalidSequenceId unless ``seq`` can be a sequence id on the wire (str or int, not bool,
     at most MAX_SEQ_ID_BYTES encoded). Callers validate before moving any byte."""
-    _encode_seq(seq)
+    encode_seq(seq)
 
 
 _SEQ_INT_BITS = 4 * MAX_SEQ_ID_BYTES
@@ -237,7 +237,7 @@ _SEQ_INT_BITS = 4 * MAX_SEQ_ID_BYTES
 conversion to text (which costs quadratic time, and raises ValueError past 4,300 digits)."""
 
 
-def _encode_seq(seq: SeqId) -> bytes:
+def encode_seq(seq: SeqId) -> bytes:
     if isinstance(seq, bool) or not isinstance(seq, str | int):
         raise errors.InvalidSequenceId(f"sequence ids are str or int, got {type(seq).__name__}")
     if isinstance(seq, int) and seq.bit_length() > _SEQ_INT_BITS:
@@ -255,7 +255,7 @@ def _encode_seq_cached(seq: SeqId) -> bytes:
     return struct.pack("!H", len(raw)) + raw
 
 
-def _decode_seq(payload: bytes, offset: int) -> tuple[SeqId, int]:
+def decode_seq(payload: bytes, offset: int) -> tuple[SeqId, int]:
     if len(payload) < offset + 2:
         raise ProtocolError("truncated sequence id")
     (n,) = struct.unpack_from("!H", payload, offset)
@@ -275,13 +275,13 @@ _RUN = struct.Struct("!qqq")
 
 
 def encode_put(seq: SeqId, layer: int, runs: Sequence[BlockRun]) -> bytes:
-    head = _encode_seq(seq) + struct.pack("!II", layer, len(runs))
+    head = encode_seq(seq) + struct.pack("!II", layer, len(runs))
     body = b"".join(_RUN.pack(r.src, r.dst, r.count) for r in runs)
     return head + body
 
 
 def decode_put(payload: bytes) -> tuple[SeqId, int, list[BlockRun]]:
-    seq, off = _decode_seq(payload, 0)
+    seq, off = decode_seq(payload, 0)
     if len(payload) < off + 8:
         raise ProtocolError("truncated PUT frame")
     layer, nruns = struct.unpack_from("!II", payload, off)
@@ -299,12 +299,12 @@ def decode_put(payload: bytes) -> tuple[SeqId, int, list[BlockRun]]:
 
 def encode_checksum(seq: SeqId, layer: int, crc: int, runs: Sequence[BlockRun]) -> bytes:
     put = encode_put(seq, layer, runs)
-    head = _encode_seq(seq)
+    head = encode_seq(seq)
     return head + struct.pack("!I", crc) + put[len(head):]
 
 
 def decode_checksum(payload: bytes) -> tuple[SeqId, int, int, list[BlockRun]]:
-    seq, off = _decode_seq(payload, 0)
+    seq, off = decode_seq(payload, 0)
     if len(payload) < off + 4:
         raise ProtocolError("truncated CHECKSUM frame")
     (crc,) = struct.unpack_from("!I", payload, off)
@@ -361,7 +361,7 @@ class PackedRuns(Sequence[BlockRun]):
 def decode_checksum_packed(payload: bytes) -> tuple[SeqId, int, int, PackedRuns]:
     """What :func:`decode_checksum` gives, with the runs packed (:class:`PackedRuns`): a receiver keeps a
     CHECKSUM at the size it came. Same checks, same ProtocolError."""
-    seq, off = _decode_seq(payload, 0)
+    seq, off = decode_seq(payload, 0)
     if len(payload) < off + 12:
         raise ProtocolError("truncated CHECKSUM frame")
     crc, layer, nruns = struct.unpack_from("!III", payload, off)
@@ -378,7 +378,7 @@ def encode_signal(seq: SeqId, layer: int | None, ticket: int = 0, puts: int = 0,
     """SIGNAL payload; ``ticket`` (> 0) when the signal was also announced on the link's doorbell; ``puts`` and
     ``nbytes``: what a one-sided link issued since its previous SIGNAL (the receiver counts them, since it
     sees no PUT frames)."""
-    body = _encode_seq(seq) + struct.pack("!i", -1 if layer is None else layer)
+    body = encode_seq(seq) + struct.pack("!i", -1 if layer is None else layer)
     if puts or nbytes:
         return body + _SIGNAL_COUNTS.pack(ticket, puts, nbytes)
     return body + struct.pack("!Q", ticket) if ticket else body
@@ -397,7 +397,7 @@ def decode_signal_ticket(payload: bytes) -> tuple[SeqId, int | None, int]:
 
 def decode_signal_full(payload: bytes) -> tuple[SeqId, int | None, int, int, int]:
     """(sequence, layer or None, doorbell ticket or 0, puts, bytes) of a SIGNAL payload."""
-    seq, off = _decode_seq(payload, 0)
+    seq, off = decode_seq(payload, 0)
     if len(payload) not in (off + 4, off + 12, off + 4 + _SIGNAL_COUNTS.size):
         raise ProtocolError("SIGNAL frame has the wrong length")
     (layer,) = struct.unpack_from("!i", payload, off)
@@ -412,11 +412,11 @@ def decode_signal_full(payload: bytes) -> tuple[SeqId, int | None, int, int, int
 
 
 def encode_abort(seq: SeqId, token: int) -> bytes:
-    return _encode_seq(seq) + struct.pack("!Q", token)
+    return encode_seq(seq) + struct.pack("!Q", token)
 
 
 def decode_abort(payload: bytes) -> tuple[SeqId, int]:
-    seq, off = _decode_seq(payload, 0)
+    seq, off = decode_seq(payload, 0)
     if len(payload) != off + 8:
         raise ProtocolError("ABORT frame has the wrong length")
     (token,) = struct.unpack_from("!Q", payload, off)
@@ -424,11 +424,11 @@ def decode_abort(payload: bytes) -> tuple[SeqId, int]:
 
 
 def encode_cancel(seq: SeqId) -> bytes:
-    return _encode_seq(seq)
+    return encode_seq(seq)
 
 
 def decode_cancel(payload: bytes) -> SeqId:
-    seq, off = _decode_seq(payload, 0)
+    seq, off = decode_seq(payload, 0)
     if len(payload) != off:
         raise ProtocolError("CANCEL frame has the wrong length")
     return seq
@@ -436,7 +436,7 @@ def decode_cancel(payload: bytes) -> SeqId:
 
 def encode_error(seq: SeqId | None, exc: BaseException) -> bytes:
     body = json_payload({"error": type(exc).__name__, "message": str(exc)})
-    return (_encode_seq(seq) if seq is not None else _encode_seq("")) + body
+    return (encode_seq(seq) if seq is not None else encode_seq("")) + body
 
 
 _ERROR_TYPES: dict[str, type[errors.KVTransportError]] = {
@@ -456,7 +456,7 @@ def error_from_wire(obj: dict[str, Any]) -> errors.KVTransportError:
 
 
 def decode_nack(payload: bytes) -> tuple[SeqId, errors.KVTransportError]:
-    seq, off = _decode_seq(payload, 0)
+    seq, off = decode_seq(payload, 0)
     return seq, error_from_wire(_json_object(payload[off:], "NACK"))
 
 

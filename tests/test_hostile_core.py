@@ -74,7 +74,7 @@ def checksum_flood(r, runs, records):
         packed = struct.pack("!qqq", 0, 0, 1) * runs  # (built once: the sender's own memory stays small)
         for i in range(records):
             try:
-                seq = wire._encode_seq(f"c-{i}")
+                seq = wire.encode_seq(f"c-{i}")
                 peer._state.conn.send(FrameType.CHECKSUM, seq + struct.pack("!III", 0, 0, runs) + packed)
             except kt.KVTransportError as exc:
                 out["error"] = type(exc).__name__
@@ -405,7 +405,7 @@ def test_packed_checksum_runs_decode_as_the_listed_ones_do(runs: list[tuple[int,
     """``decode_checksum_packed`` accepts exactly what ``decode_checksum`` accepts and gives the same runs
     (and their ends); refuses the rest with ProtocolError."""
     seq = "s"
-    payload = wire._encode_seq(seq) + struct.pack("!III", crc, layer, len(runs)) + b"".join(
+    payload = wire.encode_seq(seq) + struct.pack("!III", crc, layer, len(runs)) + b"".join(
         struct.pack("!qqq", *r) for r in runs)
     try:
         want = wire.decode_checksum(payload)

@@ -434,10 +434,10 @@ def nixl_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
             agent.deregister_memory(region.reg)
         else:
             from .plan import block_ids
-            from .roles import _spec
+            from .roles import shape_cache_spec
 
             shape = item["shape"]
-            cache = make_cache(_spec(shape), dev, None)
+            cache = make_cache(shape_cache_spec(shape), dev, None)
             region = _kv_region(agent, cache, dev)
             link.send_value((region.descs, agent.get_agent_metadata()))  # metadata after registering: it holds the keys
             sender = str(link.recv_value())
@@ -481,10 +481,10 @@ def nixl_sender(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
                 _nixl_send_reps(link, agent, lh, rh, [i], [i], [f"nsw{i}-{r}" for r in range(1 + cfg["sweep_reps"][i])])
         else:
             from .plan import block_ids
-            from .roles import _spec
+            from .roles import shape_cache_spec
 
             shape = item["shape"]
-            cache = make_cache(_spec(shape), dev, FILL)
+            cache = make_cache(shape_cache_spec(shape), dev, FILL)
             region = _kv_region(agent, cache, dev)
             lh, rh = _nixl_prep(agent, remote, region, link.recv_value(), mem)
             link.send_value(agent.name)
@@ -606,10 +606,10 @@ def mooncake_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
                 engine.unregister_memory(_ptr(a))
         else:
             from .plan import block_ids
-            from .roles import _spec
+            from .roles import shape_cache_spec
 
             shape = item["shape"]
-            cache = make_cache(_spec(shape), "cpu", None)
+            cache = make_cache(shape_cache_spec(shape), "cpu", None)
             _mooncake_register(engine, [cache.backing])
             link.send_value((session, None))
             for case in item["cases"]:
@@ -647,10 +647,10 @@ def mooncake_sender(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
                 engine.unregister_memory(_ptr(a))
         else:
             from .plan import block_ids
-            from .roles import _spec
+            from .roles import shape_cache_spec
 
             shape = item["shape"]
-            cache = make_cache(_spec(shape), "cpu", FILL)
+            cache = make_cache(shape_cache_spec(shape), "cpu", FILL)
             _mooncake_register(engine, [cache.backing])
             session, _ = link.recv_value()
             for case in item["cases"]:

@@ -54,7 +54,8 @@ def _recv_reps(link: Any, cm: Any, seqs: list[str], timeout: float) -> list[floa
     return t1s
 
 
-def _spec(shape: dict[str, Any]) -> Any:
+def shape_cache_spec(shape: dict[str, Any]) -> Any:
+    """The cache spec a bench shape names (its preset, its pool of blocks, NHD order)."""
     from ..workload.caches import preset
 
     return preset(shape["preset"], shape["pool_blocks"], "NHD")
@@ -131,7 +132,7 @@ class _CacheHolder:
         if key != self.key:
             self.cache = None
             gc.collect()
-            self.cache = make_cache(_spec(shape), self.device, self.fill)
+            self.cache = make_cache(shape_cache_spec(shape), self.device, self.fill)
             self.key = key
         return self.cache
 
@@ -396,7 +397,7 @@ def overlap_sender(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
 def latency_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     use_device(cfg["recv_device"])
     shape = cfg["shape"]
-    cache = make_cache(_spec(shape), cfg["recv_device"], None)
+    cache = make_cache(shape_cache_spec(shape), cfg["recv_device"], None)
     n = cfg["seqs"]
     with _open(cache.layout, cfg) as cm:
         link.publish(cm.metadata())
@@ -419,7 +420,7 @@ def latency_receiver(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
 def latency_sender(link: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     use_device(cfg["send_device"])
     shape = cfg["shape"]
-    cache = make_cache(_spec(shape), cfg["send_device"], FILL)
+    cache = make_cache(shape_cache_spec(shape), cfg["send_device"], FILL)
     n, pool = cfg["seqs"], shape["pool_blocks"]
     t_put, t_sig = [], []
     with _open(cache.layout, cfg) as cm:

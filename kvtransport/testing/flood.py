@@ -20,7 +20,7 @@ from kvtransport.admission import MAX_PENDING_BYTES
 
 from ..workload.caches import HostCache, verify_transfer
 from ..workload.harness import RoleLink
-from .hostile import PAIRS, SPEC, _os_threads, _py_threads, _rss_mib, _status_mib
+from .hostile import PAIRS, SPEC, os_threads, py_threads, rss_mib, status_mib
 
 # ============================================================== flood
 OLD_PAIRS = [(4, 10), (5, 11)]
@@ -34,7 +34,7 @@ def _round_plan(k: int) -> dict[int, list[tuple[int, int]]]:
 
 
 def _kvt_threads() -> list[str]:
-    return [n for n in _py_threads() if n.startswith("kvt-")]
+    return [n for n in py_threads() if n.startswith("kvt-")]
 
 
 def _reset_peak_rss() -> bool:
@@ -48,7 +48,7 @@ def _reset_peak_rss() -> bool:
 
 
 def _peak_rss_mib() -> float:
-    return _status_mib("VmHWM")
+    return status_mib("VmHWM")
 
 
 class _Sampler:
@@ -87,8 +87,8 @@ class _Sampler:
         while not self._stop.wait(self.interval):
             if not self._on.is_set():
                 continue
-            self.max_rss = max(self.max_rss, _rss_mib())
-            self.max_threads = max(self.max_threads, _os_threads())
+            self.max_rss = max(self.max_rss, rss_mib())
+            self.max_threads = max(self.max_threads, os_threads())
             self.observe(_kvt_threads())
 
 
@@ -119,7 +119,7 @@ def flood_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
         link.publish(cm.metadata())
         cm.wait("warm", timeout=30)  # libraries, allocator pools and backend threads exist before the baseline
         cm.release("warm")
-        out["warm_threads"] = _os_threads()  # the warm-up link still up: what one link costs
+        out["warm_threads"] = os_threads()  # the warm-up link still up: what one link costs
         out["warm_kvt"] = _kvt_threads()
         link.barrier("warm-sampled")
         link.barrier("warm-closed")
@@ -127,7 +127,7 @@ def flood_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
         out["settled_before"] = _settle(cm, idle_kvt)
         gc.collect()
         time.sleep(0.2)
-        out["baseline"] = {"rss": _rss_mib(), "threads": _os_threads(), "kvt": _kvt_threads(),
+        out["baseline"] = {"rss": rss_mib(), "threads": os_threads(), "kvt": _kvt_threads(),
                            "admission": _admission_stats(cm)}
         out["peak_reset"] = _reset_peak_rss()
         sampler.watch(out["baseline"]["kvt"])
@@ -137,7 +137,7 @@ def flood_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
         deadline = time.monotonic() + 60
         while cm._admission.stats.dropped_over_budget < dropped and time.monotonic() < deadline:
             time.sleep(0.01)
-        out["at_budget"] = {"rss": _rss_mib(), "admission": _admission_stats(cm), "pending": cm._admission.pending}
+        out["at_budget"] = {"rss": rss_mib(), "admission": _admission_stats(cm), "pending": cm._admission.pending}
         link.barrier("budget-reached")
         for k in range(cfg["rounds"]):
             seqs = [f"legit-{k}"] + ([f"legit-{k}-old"] if k else [])
@@ -146,17 +146,17 @@ def flood_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
                 cm.release(seq)
             out["rounds"].append({
                 "problems": verify_transfer(dst, HostCache(SPEC, fill_seed=100 + k), _round_plan(k)),
-                "threads": _os_threads(), "kvt": _kvt_threads(), "inbound": len(cm.inbound_peers()),
+                "threads": os_threads(), "kvt": _kvt_threads(), "inbound": len(cm.inbound_peers()),
                 "admission": _admission_stats(cm)})
             sampler.observe(out["rounds"][-1]["kvt"])
             link.barrier(f"round-{k}")
         counts = link.recv_value()  # the flood is over: the sender closed every connection and its managers
         base_threads = out["baseline"]["threads"]
         out["settled_after"] = _settle(cm, out["baseline"]["kvt"], lambda: (
-            cm._admission.stats.accepted == counts["connections"] and _os_threads() <= base_threads))
+            cm._admission.stats.accepted == counts["connections"] and os_threads() <= base_threads))
         gc.collect()
         time.sleep(0.2)
-        out["after"] = {"rss": _rss_mib(), "threads": _os_threads(), "kvt": _kvt_threads(),
+        out["after"] = {"rss": rss_mib(), "threads": os_threads(), "kvt": _kvt_threads(),
                         "admission": _admission_stats(cm), "pending": cm._admission.pending}
         sampler.stop()
         out["flood_peak_rss"] = _peak_rss_mib() if out["peak_reset"] else sampler.max_rss

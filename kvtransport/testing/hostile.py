@@ -39,7 +39,7 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def _status_mib(field: str) -> float:
+def status_mib(field: str) -> float:
     """A size field of /proc/self/status (``VmRSS``, ``VmHWM``...) in MiB; 0 when absent."""
     with open("/proc/self/status") as f:
         for line in f:
@@ -48,15 +48,15 @@ def _status_mib(field: str) -> float:
     return 0.0
 
 
-def _rss_mib() -> float:
-    return _status_mib("VmRSS")
+def rss_mib() -> float:
+    return status_mib("VmRSS")
 
 
-def _py_threads() -> list[str]:
+def py_threads() -> list[str]:
     return sorted(t.name for t in threading.enumerate())
 
 
-def _os_threads() -> int:
+def os_threads() -> int:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("Threads:"):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from kvtransport_mscclpp import native, routing
+from kvtransport_mscclpp.spec import SPEC
 from kvtransport_mscclpp.transport import make_unique_id
 
 from kvtransport import available_backends, registry
@@ -197,9 +198,9 @@ def test_open_with_ib_requested_reports_the_missing_rdma_device(monkeypatch: pyt
     monkeypatch.setattr(native, "build_info", lambda: native.BuildInfo(installed=True, library="x", ib_compiled=True))
     layout = make_cache(CacheSpec(num_layers=2, num_blocks=4, heads=1, block_size=4, head_dim=8), "cpu").layout
     with pytest.raises(BackendUnavailable, match=r"IB0 needs RDMA device #0, this host has 0"):
-        MscclppTransport(layout, resolve("mscclpp", transport="ib"))
+        MscclppTransport(layout, resolve("mscclpp", transport="ib"), options=SPEC.options)
     with pytest.raises(ConfigurationError, match="transport='tcp'"):
-        MscclppTransport(layout, resolve("mscclpp", transport="tcp"))
+        MscclppTransport(layout, resolve("mscclpp", transport="tcp"), options=SPEC.options)
 
 
 @pytest.mark.parametrize("static", [False, True])

@@ -86,7 +86,7 @@ class MscclppSpec(BackendSpec):
     def create(self, layout: KVLayout, settings: Settings) -> Transport:
         from .transport import MscclppTransport
 
-        return MscclppTransport(layout, settings)
+        return MscclppTransport(layout, settings, options=self.options or ())
 
 
 SPEC = MscclppSpec()

@@ -55,10 +55,8 @@ from kvtransport.gpu import MappedPutter, PeerWindows, SegmentCopier, allocation
 from kvtransport.layout import KVLayout
 
 from . import native, routing
-from .spec import MscclppSpec
 
 log = logging.getLogger("kvtransport.mscclpp")
-OPTIONS = MscclppSpec.options
 UNIQUE_ID_BYTES = 128
 CONNECT_TAG = 0
 
@@ -87,7 +85,8 @@ def free_port(address: str) -> int:
 class MscclppTransport(Transport):
     name = "mscclpp"
 
-    def __init__(self, layout: KVLayout, settings: Settings) -> None:
+    def __init__(self, layout: KVLayout, settings: Settings, *, options: tuple[str, ...]) -> None:
+        """``options``: the backend's own option names (its spec's ``options``), named when one is unknown."""
         opts = dict(settings.backend_options)
         self.requested = routing.parse_request(opts.pop("transport", None))
         try:
@@ -95,7 +94,7 @@ class MscclppTransport(Transport):
         except ValueError:
             raise ConfigurationError("mscclpp option ib_index must be an integer") from None
         if opts:
-            raise unknown_option(sorted(opts)[0], OPTIONS, "mscclpp backend")
+            raise unknown_option(sorted(opts)[0], options, "mscclpp backend")
         self.build = native.build_info()
         self.ib_devices = native.ib_devices()
         if self.requested is not None and self.requested != routing.CUDA_IPC:  # say at open() if RDMA cannot work

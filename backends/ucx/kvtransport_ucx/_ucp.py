@@ -45,7 +45,7 @@ import time
 from collections.abc import Mapping
 from typing import Literal
 
-# Re-exported: every public name this module had before it was split (and `_env_flag`, which tests use);
+# Re-exported: every public name this module had before it was split (and `env_flag`, which tests use);
 # the private helpers and the module state (the loaded library, the C helper) are read where they live.
 from ._ucp_abi import STRUCTS as STRUCTS
 from ._ucp_abi import UCP_ATOMIC_OP_ADD as UCP_ATOMIC_OP_ADD
@@ -76,8 +76,8 @@ from ._ucp_abi import UCS_OK as UCS_OK
 from ._ucp_abi import UCS_THREAD_MODE_MULTI as UCS_THREAD_MODE_MULTI
 from ._ucp_abi import UCS_THREAD_MODE_SINGLE as UCS_THREAD_MODE_SINGLE
 from ._ucp_abi import UcpError as UcpError
+from ._ucp_abi import UcpMemMapParams, UcpParams, UcpWorkerParams
 from ._ucp_abi import UcpUnavailableError as UcpUnavailableError
-from ._ucp_abi import _UcpMemMapParams, _UcpParams, _UcpWorkerParams
 from ._ucp_abi import c_status as c_status
 from ._ucp_abi import c_u64 as c_u64
 from ._ucp_abi import c_vp as c_vp
@@ -94,9 +94,9 @@ from ._ucp_helper import batch_impl as batch_impl
 from ._ucp_helper import wait_helpers as wait_helpers
 from ._ucp_helper import wait_query as wait_query
 from ._ucp_lib import VERIFIED_VERSIONS as VERIFIED_VERSIONS
-from ._ucp_lib import _env_flag as _env_flag
-from ._ucp_lib import _Handle, _load
+from ._ucp_lib import Handle, load_library
 from ._ucp_lib import check_environment as check_environment
+from ._ucp_lib import env_flag as env_flag
 from ._ucp_lib import is_available as is_available
 from ._ucp_lib import library_path as library_path
 from ._ucp_lib import load_error as load_error
@@ -119,7 +119,7 @@ __all__ = [
 ]
 
 # --------------------------------------------------------------------------- context
-class UcpContext(_Handle):
+class UcpContext(Handle):
     """A UCP context with features RMA | AMO64 | WAKEUP.
 
     Blocking (``ucp_init``).  ``net_devices`` / ``tls`` set ``NET_DEVICES`` /
@@ -141,7 +141,7 @@ class UcpContext(_Handle):
         config: Mapping[str, str] | None = None,
         name: str = "kvtransport",
     ) -> None:
-        lib = _load()
+        lib = load_library()
         super().__init__(lib, None)
         self._workers: list[UcpWorker] = []
         self._memories: list[UcpMemory] = []
@@ -160,7 +160,7 @@ class UcpContext(_Handle):
         try:
             for k, v in opts.items():
                 lib.check(lib.config_modify(cfg, k.encode(), v.encode()), f"ucp_config_modify({k}={v!r})")
-            params = _UcpParams()
+            params = UcpParams()
             params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME
             params.features = UCP_FEATURE_RMA | UCP_FEATURE_AMO64 | UCP_FEATURE_WAKEUP
             self._name = name.encode()
@@ -207,7 +207,7 @@ class UcpContext(_Handle):
 
 
 # --------------------------------------------------------------------------- memory
-class UcpMemory(_Handle):
+class UcpMemory(Handle):
     """Registered memory region (``ucp_mem_map``).  Not thread-safe."""
 
     _what = "UcpMemory"
@@ -222,7 +222,7 @@ class UcpMemory(_Handle):
         self._ctx = ctx
         self.address = int(addr)
         self.length = int(length)
-        p = _UcpMemMapParams()
+        p = UcpMemMapParams()
         p.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH
         p.address = self.address
         p.length = self.length
@@ -262,7 +262,7 @@ class UcpMemory(_Handle):
 
 
 # --------------------------------------------------------------------------- worker
-class UcpWorker(_Handle):
+class UcpWorker(Handle):
     """A UCP worker: progress engine, address, endpoints.  Not thread-safe."""
 
     _what = "UcpWorker"
@@ -275,7 +275,7 @@ class UcpWorker(_Handle):
         self._efd: int | None = None
         self._address: bytes | None = None
         self._progress_fns: tuple[int | None, int | None] | None = None
-        p = _UcpWorkerParams()
+        p = UcpWorkerParams()
         p.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE
         p.thread_mode = UCS_THREAD_MODE_MULTI if multi_thread else UCS_THREAD_MODE_SINGLE
         h = c_vp()

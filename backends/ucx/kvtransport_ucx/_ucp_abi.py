@@ -1,10 +1,10 @@
 """The hand-written ctypes ABI of libucp/libucs that :mod:`kvtransport_ucx._ucp` binds: constants, struct
-layouts, the two error types, and the typed function prototypes (:class:`_Lib`).
+layouts, the two error types, and the typed function prototypes (:class:`UcpLib`).
 
 The layouts were checked against the headers of the versions in ``_ucp_lib.VERIFIED_VERSIONS`` (the version gate
 that refuses others lives in :mod:`kvtransport_ucx._ucp_lib`; tests/backends/test_ucp_binding.py::test_struct_layouts
-compiles a probe against the installed headers). Nothing here loads a library: :class:`_Lib` is built by
-``_ucp_lib._load()`` from the handles it found.
+compiles a probe against the installed headers). Nothing here loads a library: :class:`UcpLib` is built by
+``_ucp_lib.load_library()`` from the handles it found.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ UCP_DATATYPE_CONTIG = 0
 UCP_DATATYPE_SHIFT = 3
 
 
-def _dt_make_contig(elem_size: int) -> int:
+def dt_make_contig(elem_size: int) -> int:
     return (elem_size << UCP_DATATYPE_SHIFT) | UCP_DATATYPE_CONTIG
 
 
@@ -63,7 +63,7 @@ c_vp = ctypes.c_void_p
 c_status = ctypes.c_int8
 
 
-class _UcpParams(ctypes.Structure):
+class UcpParams(ctypes.Structure):
     """``ucp_params_t``."""
 
     _fields_ = [
@@ -87,7 +87,7 @@ class _UcsCpuSet(ctypes.Structure):
     _fields_ = [("ucs_bits", ctypes.c_ulong * (1024 // (8 * ctypes.sizeof(ctypes.c_ulong))))]
 
 
-class _UcpWorkerParams(ctypes.Structure):
+class UcpWorkerParams(ctypes.Structure):
     """``ucp_worker_params_t``."""
 
     _fields_ = [
@@ -116,7 +116,7 @@ class _UcsSockAddr(ctypes.Structure):
     _fields_ = [("addr", c_vp), ("addrlen", ctypes.c_uint32)]
 
 
-class _UcpEpParams(ctypes.Structure):
+class UcpEpParams(ctypes.Structure):
     """``ucp_ep_params_t``."""
 
     _fields_ = [
@@ -133,7 +133,7 @@ class _UcpEpParams(ctypes.Structure):
     ]
 
 
-class _UcpMemMapParams(ctypes.Structure):
+class UcpMemMapParams(ctypes.Structure):
     """``ucp_mem_map_params_t``."""
 
     _fields_ = [
@@ -147,7 +147,7 @@ class _UcpMemMapParams(ctypes.Structure):
     ]
 
 
-class _UcpRequestParam(ctypes.Structure):
+class UcpRequestParam(ctypes.Structure):
     """``ucp_request_param_t`` (1.22 layout; 1.21 has the same prefix, and we
     only ever set fields of that prefix)."""
 
@@ -169,7 +169,7 @@ class _UcpRequestParam(ctypes.Structure):
     ]
 
 
-class _UcpTransportEntry(ctypes.Structure):
+class UcpTransportEntry(ctypes.Structure):
     """``ucp_transport_entry_t``."""
 
     _fields_ = [("transport_name", ctypes.c_char_p), ("device_name", ctypes.c_char_p)]
@@ -179,7 +179,7 @@ class _UcpTransports(ctypes.Structure):
     """``ucp_transports_t``."""
 
     _fields_ = [
-        ("entries", ctypes.POINTER(_UcpTransportEntry)),
+        ("entries", ctypes.POINTER(UcpTransportEntry)),
         ("num_entries", ctypes.c_uint),
         ("entry_size", ctypes.c_size_t),
     ]
@@ -191,7 +191,7 @@ class _SockaddrStorage(ctypes.Structure):
     _fields_ = [("_data", ctypes.c_uint64 * 16)]
 
 
-class _UcpEpAttr(ctypes.Structure):
+class UcpEpAttr(ctypes.Structure):
     """``ucp_ep_attr_t``."""
 
     _fields_ = [
@@ -206,14 +206,14 @@ class _UcpEpAttr(ctypes.Structure):
 
 #: Offsets/sizes checked by the layout test against the installed headers.
 STRUCTS: dict[str, type[ctypes.Structure]] = {
-    "ucp_params_t": _UcpParams,
-    "ucp_worker_params_t": _UcpWorkerParams,
-    "ucp_ep_params_t": _UcpEpParams,
-    "ucp_mem_map_params_t": _UcpMemMapParams,
-    "ucp_request_param_t": _UcpRequestParam,
-    "ucp_transport_entry_t": _UcpTransportEntry,
+    "ucp_params_t": UcpParams,
+    "ucp_worker_params_t": UcpWorkerParams,
+    "ucp_ep_params_t": UcpEpParams,
+    "ucp_mem_map_params_t": UcpMemMapParams,
+    "ucp_request_param_t": UcpRequestParam,
+    "ucp_transport_entry_t": UcpTransportEntry,
     "ucp_transports_t": _UcpTransports,
-    "ucp_ep_attr_t": _UcpEpAttr,
+    "ucp_ep_attr_t": UcpEpAttr,
 }
 
 
@@ -231,7 +231,7 @@ class UcpUnavailableError(ImportError):
 
 
 
-class _Lib:
+class UcpLib:
     """The loaded libraries and typed function pointers."""
 
     def __init__(self, ucp: ctypes.CDLL, ucs: ctypes.CDLL, path: str) -> None:
@@ -252,9 +252,9 @@ class _Lib:
         self.config_read = fn(ucp, "ucp_config_read", st, ctypes.c_char_p, ctypes.c_char_p, P(c_vp))
         self.config_modify = fn(ucp, "ucp_config_modify", st, c_vp, ctypes.c_char_p, ctypes.c_char_p)
         self.config_release = fn(ucp, "ucp_config_release", None, c_vp)
-        self.init_version = fn(ucp, "ucp_init_version", st, ctypes.c_uint, ctypes.c_uint, P(_UcpParams), c_vp, P(c_vp))
+        self.init_version = fn(ucp, "ucp_init_version", st, ctypes.c_uint, ctypes.c_uint, P(UcpParams), c_vp, P(c_vp))
         self.cleanup = fn(ucp, "ucp_cleanup", None, c_vp)
-        self.worker_create = fn(ucp, "ucp_worker_create", st, c_vp, P(_UcpWorkerParams), P(c_vp))
+        self.worker_create = fn(ucp, "ucp_worker_create", st, c_vp, P(UcpWorkerParams), P(c_vp))
         self.worker_destroy = fn(ucp, "ucp_worker_destroy", None, c_vp)
         self.worker_get_address = fn(ucp, "ucp_worker_get_address", st, c_vp, P(c_vp), P(ctypes.c_size_t))
         self.worker_release_address = fn(ucp, "ucp_worker_release_address", None, c_vp, c_vp)
@@ -262,18 +262,18 @@ class _Lib:
         self.worker_get_efd = fn(ucp, "ucp_worker_get_efd", st, c_vp, P(ctypes.c_int))
         self.worker_arm = fn(ucp, "ucp_worker_arm", st, c_vp)
         self.worker_signal = fn(ucp, "ucp_worker_signal", st, c_vp)
-        self.mem_map = fn(ucp, "ucp_mem_map", st, c_vp, P(_UcpMemMapParams), P(c_vp))
+        self.mem_map = fn(ucp, "ucp_mem_map", st, c_vp, P(UcpMemMapParams), P(c_vp))
         self.mem_unmap = fn(ucp, "ucp_mem_unmap", st, c_vp, c_vp)
         self.rkey_pack = fn(ucp, "ucp_rkey_pack", st, c_vp, c_vp, P(c_vp), P(ctypes.c_size_t))
         self.rkey_buffer_release = fn(ucp, "ucp_rkey_buffer_release", None, c_vp)
-        self.ep_create = fn(ucp, "ucp_ep_create", st, c_vp, P(_UcpEpParams), P(c_vp))
-        self.ep_close_nbx = fn(ucp, "ucp_ep_close_nbx", c_vp, c_vp, P(_UcpRequestParam))
-        self.ep_flush_nbx = fn(ucp, "ucp_ep_flush_nbx", c_vp, c_vp, P(_UcpRequestParam))
+        self.ep_create = fn(ucp, "ucp_ep_create", st, c_vp, P(UcpEpParams), P(c_vp))
+        self.ep_close_nbx = fn(ucp, "ucp_ep_close_nbx", c_vp, c_vp, P(UcpRequestParam))
+        self.ep_flush_nbx = fn(ucp, "ucp_ep_flush_nbx", c_vp, c_vp, P(UcpRequestParam))
         self.ep_print_info = fn(ucp, "ucp_ep_print_info", None, c_vp, c_vp)
-        self.ep_query = fn(ucp, "ucp_ep_query", st, c_vp, P(_UcpEpAttr))
+        self.ep_query = fn(ucp, "ucp_ep_query", st, c_vp, P(UcpEpAttr))
         self.ep_rkey_unpack = fn(ucp, "ucp_ep_rkey_unpack", st, c_vp, c_vp, P(c_vp))
         self.rkey_destroy = fn(ucp, "ucp_rkey_destroy", None, c_vp)
-        self.put_nbx = fn(ucp, "ucp_put_nbx", c_vp, c_vp, c_vp, ctypes.c_size_t, c_u64, c_vp, P(_UcpRequestParam))
+        self.put_nbx = fn(ucp, "ucp_put_nbx", c_vp, c_vp, c_vp, ctypes.c_size_t, c_u64, c_vp, P(UcpRequestParam))
         self.atomic_op_nbx = fn(
             ucp,
             "ucp_atomic_op_nbx",
@@ -284,7 +284,7 @@ class _Lib:
             ctypes.c_size_t,
             c_u64,
             c_vp,
-            P(_UcpRequestParam),
+            P(UcpRequestParam),
         )
         self.request_check_status = fn(ucp, "ucp_request_check_status", st, c_vp)
         self.request_free = fn(ucp, "ucp_request_free", None, c_vp)

@@ -11,7 +11,7 @@ import time
 import warnings
 from array import array
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Protocol, Union
 
 from ._ucp_abi import (
     UCP_ATOMIC_OP_ADD,
@@ -23,19 +23,32 @@ from ._ucp_abi import (
     UCP_OP_ATTR_FIELD_DATATYPE,
     UCS_ERR_LAST,
     UCS_INPROGRESS,
+    UcpEpAttr,
+    UcpEpParams,
     UcpError,
-    _dt_make_contig,
-    _UcpEpAttr,
-    _UcpEpParams,
-    _UcpRequestParam,
-    _UcpTransportEntry,
+    UcpLib,
+    UcpRequestParam,
+    UcpTransportEntry,
     c_vp,
+    dt_make_contig,
 )
-from ._ucp_helper import _load_helper, wait_helpers
-from ._ucp_lib import _Handle
+from ._ucp_helper import load_helper, wait_helpers
+from ._ucp_lib import Handle
 
-if TYPE_CHECKING:
-    from ._ucp import UcpWorker
+
+class UcpWorker(Protocol):
+    """What an endpoint uses of the worker that made it (:class:`._ucp.UcpWorker`, which imports this module:
+    named here by its shape, so the two modules do not import each other)."""
+
+    _lib: UcpLib
+    _h: int | None
+    _endpoints: list[UcpEndpoint]
+
+    def _handle(self) -> int: ...
+
+    def progress(self) -> int: ...
+
+    def wait_for_events(self, timeout_s: float | None) -> bool: ...
 
 # --------------------------------------------------------------------------- segment tables
 #: array('Q'), numpy uint64 array, any 1-D uint64 buffer, or a sequence of ints.
@@ -90,7 +103,7 @@ class PreparedSegments:
 
 
 # --------------------------------------------------------------------------- endpoint
-class UcpRkey(_Handle):
+class UcpRkey(Handle):
     """An unpacked remote key, valid for the endpoint that unpacked it."""
 
     _what = "UcpRkey"
@@ -145,7 +158,7 @@ def _wait_request(worker: UcpWorker, req: int | None, timeout_s: float, what: st
         lib.request_free(req)
 
 
-class UcpEndpoint(_Handle):
+class UcpEndpoint(Handle):
     """Endpoint to one peer worker.  All operations use the creating worker."""
 
     _what = "UcpEndpoint"
@@ -156,14 +169,14 @@ class UcpEndpoint(_Handle):
         self._worker = worker
         self._rkeys: list[UcpRkey] = []
         addr_buf = ctypes.create_string_buffer(remote_address, len(remote_address))
-        p = _UcpEpParams()
+        p = UcpEpParams()
         p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
         p.address = ctypes.addressof(addr_buf)
         p.err_mode = UCP_ERR_HANDLING_MODE_PEER if peer_error_handling else UCP_ERR_HANDLING_MODE_NONE
         h = c_vp()
         lib.check(lib.ep_create(worker._handle(), ctypes.byref(p), ctypes.byref(h)), "ucp_ep_create")
         self._h = h.value
-        self._param0 = _UcpRequestParam()  # op_attr_mask = 0: no callback, contig bytes
+        self._param0 = UcpRequestParam()  # op_attr_mask = 0: no callback, contig bytes
         self._param0_ref = ctypes.byref(self._param0)
         self._put_fn_addr = ctypes.cast(lib.put_nbx, c_vp).value
         self._free_fn_addr = ctypes.cast(lib.request_free, c_vp).value
@@ -221,7 +234,7 @@ class UcpEndpoint(_Handle):
                 raise ValueError(f"local_addrs has {n} entries but lengths has {nl}")
         if n == 0:
             return
-        helper = _load_helper()
+        helper = load_helper()
         if helper is not None:
             err = ctypes.c_int64(0)
             done = helper(
@@ -270,7 +283,7 @@ class UcpEndpoint(_Handle):
         if segs.n == 0:
             return
         h = wait_helpers()
-        if h is None or _load_helper() is None:
+        if h is None or load_helper() is None:
             loc, rem, lens = segs.absolute(local_base, remote_base)
             self.put_batch(loc, rem, lens, rkey)
             return
@@ -301,9 +314,9 @@ class UcpEndpoint(_Handle):
         TimeoutError.
         """
         operand = ctypes.c_uint64(value & 0xFFFFFFFFFFFFFFFF)
-        p = _UcpRequestParam()
+        p = UcpRequestParam()
         p.op_attr_mask = UCP_OP_ATTR_FIELD_DATATYPE
-        p.datatype = _dt_make_contig(8)
+        p.datatype = dt_make_contig(8)
         req = self._lib.atomic_op_nbx(
             self._handle(),
             UCP_ATOMIC_OP_ADD,
@@ -337,12 +350,12 @@ class UcpEndpoint(_Handle):
 
     def transport_list(self) -> list[tuple[str, str]]:
         """(transport, device) per lane via ``ucp_ep_query``, e.g. ``[("cma", "memory"), ...]``."""
-        entries = (_UcpTransportEntry * 32)()
-        attr = _UcpEpAttr()
+        entries = (UcpTransportEntry * 32)()
+        attr = UcpEpAttr()
         attr.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS
-        attr.transports.entries = ctypes.cast(entries, ctypes.POINTER(_UcpTransportEntry))
+        attr.transports.entries = ctypes.cast(entries, ctypes.POINTER(UcpTransportEntry))
         attr.transports.num_entries = len(entries)
-        attr.transports.entry_size = ctypes.sizeof(_UcpTransportEntry)
+        attr.transports.entry_size = ctypes.sizeof(UcpTransportEntry)
         self._lib.check(self._lib.ep_query(self._handle(), ctypes.byref(attr)), "ucp_ep_query")
         out = []
         for i in range(min(attr.transports.num_entries, len(entries))):

@@ -28,7 +28,7 @@ from typing import Any, Literal
 from kvtransport.errors import ConfigurationError
 
 from ._ucp_abi import c_u64, c_vp
-from ._ucp_lib import _env, _env_flag
+from ._ucp_lib import env_flag, env_knob
 
 _HELPER_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ucp_batch.c")
 _HELPER_SYMBOLS = ("kvt_put_batch", "kvt_put_batch_rel", "kvt_progress_until", "kvt_wait_query", "kvt_after_append",
@@ -41,7 +41,7 @@ _helper_lib_lock = threading.Lock()
 
 
 def _cache_dir() -> str:
-    base = _env("CACHE") or os.path.join(
+    base = env_knob("CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvtransport_ucx"
     )
     return base
@@ -62,7 +62,7 @@ def _helper_library() -> ctypes.CDLL | None:
             return _helper_lib
         _helper_lib_tried = True
         try:
-            no_helper = _env_flag("NO_C_HELPER")
+            no_helper = env_flag("NO_C_HELPER")
         except ConfigurationError:  # refused at open() already (check_environment); not worth a failed put
             no_helper = False
         if no_helper:
@@ -113,7 +113,7 @@ def _helper_library() -> ctypes.CDLL | None:
         return _helper_lib
 
 
-def _load_helper() -> Any:
+def load_helper() -> Any:
     """The C batch-put function (see _ucp_batch.c); None when it cannot be built."""
     global _helper, _helper_tried
     if _helper_tried:
@@ -281,5 +281,5 @@ def wait_query(
 def batch_impl() -> Literal["c", "python"]:
     """Which put_batch implementation is in use: "c" (the install-time build of the helper, or its fallback build,
     which needs a C compiler once) or "python"."""
-    return "c" if _load_helper() is not None else "python"
+    return "c" if load_helper() is not None else "python"
 

@@ -1,7 +1,7 @@
 """Loading libucp/libucs for :mod:`kvtransport_ucx._ucp`: the ``KV_TRANSPORT_UCX_*`` knobs, finding the libraries
 (the ``libucx`` wheel, or ``KV_TRANSPORT_UCX_LIBDIR``), the version gate (:data:`VERIFIED_VERSIONS`), the rate
-limit on libucs's own log lines, the process-wide :class:`~kvtransport_ucx._ucp_abi._Lib`, and :class:`_Handle`,
-the base of every object of the binding (it holds that ``_Lib``).
+limit on libucs's own log lines, the process-wide :class:`~kvtransport_ucx._ucp_abi.UcpLib`, and :class:`Handle`,
+the base of every object of the binding (it holds that ``UcpLib``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 from kvtransport.config import env_bool, read_env
 from kvtransport.errors import ConfigurationError
 
-from ._ucp_abi import UcpError, UcpUnavailableError, _Lib
+from ._ucp_abi import UcpError, UcpLib, UcpUnavailableError
 
 #: (major, minor) versions of libucp whose struct layouts were checked against
 #: the wheel's headers (see tests/backends/test_ucp_binding.py::test_struct_layouts).
@@ -31,12 +31,12 @@ _INSTALL_HINT = (
 )
 
 
-def _env(knob: str) -> str | None:
+def env_knob(knob: str) -> str | None:
     """``KV_TRANSPORT_UCX_<knob>`` (or its deprecated ``KVTRANSPORT_UCX_<knob>``), None when unset."""
     return read_env(f"KV_TRANSPORT_UCX_{knob}", deprecated=(f"KVTRANSPORT_UCX_{knob}",))
 
 
-def _env_flag(knob: str) -> bool:
+def env_flag(knob: str) -> bool:
     """Boolean ``KV_TRANSPORT_UCX_<knob>`` (strict; off when unset). Raises ConfigurationError."""
     return env_bool(f"KV_TRANSPORT_UCX_{knob}", False, deprecated=(f"KVTRANSPORT_UCX_{knob}",))
 
@@ -45,13 +45,13 @@ def check_environment() -> None:
     """Parse every ``KV_TRANSPORT_UCX_*`` knob now (called at ``open()``), so that a bad value is a
     ConfigurationError naming the variable there, not a surprise at the first put."""
     for knob in ("ALLOW_UNVERIFIED", "NO_C_HELPER"):
-        _env_flag(knob)
+        env_flag(knob)
 
 
 def _find_wheel_libucp() -> tuple[ctypes.CDLL, ctypes.CDLL, str]:
     """Load libucp/libucs via the ``libucx`` wheel (or KV_TRANSPORT_UCX_LIBDIR)."""
     flags = ctypes.RTLD_LOCAL
-    libdir = _env("LIBDIR")
+    libdir = env_knob("LIBDIR")
     if libdir:
         ucs_path = os.path.join(libdir, "libucs.so")
         ucp_path = os.path.join(libdir, "libucp.so")
@@ -149,12 +149,12 @@ def _install_log_limiter(ucs: ctypes.CDLL) -> None:
     atexit.register(pop)
 
 
-_lib: _Lib | None = None
+_lib: UcpLib | None = None
 _lib_error: BaseException | None = None
 _lib_lock = threading.Lock()
 
 
-def _load() -> _Lib:
+def load_library() -> UcpLib:
     """Load (once) and return the library; raise UcpUnavailableError if impossible."""
     global _lib, _lib_error
     if _lib is not None:
@@ -166,8 +166,8 @@ def _load() -> _Lib:
             raise UcpUnavailableError(str(_lib_error)) from _lib_error
         try:
             ucp, ucs, path = _find_wheel_libucp()
-            lib = _Lib(ucp, ucs, path)
-            if lib.version[:2] not in VERIFIED_VERSIONS and not _env_flag("ALLOW_UNVERIFIED"):
+            lib = UcpLib(ucp, ucs, path)
+            if lib.version[:2] not in VERIFIED_VERSIONS and not env_flag("ALLOW_UNVERIFIED"):
                 verified = ", ".join(f"{a}.{b}" for a, b in sorted(VERIFIED_VERSIONS))
                 raise UcpUnavailableError(
                     f"libucp {'.'.join(map(str, lib.version))} at {path} is not a version whose struct layouts "
@@ -189,7 +189,7 @@ def _load() -> _Lib:
 def is_available() -> bool:
     """True if a verified libucp can be loaded (loads it as a side effect)."""
     try:
-        _load()
+        load_library()
         return True
     except UcpUnavailableError:
         return False
@@ -198,7 +198,7 @@ def is_available() -> bool:
 def load_error() -> str | None:
     """Why libucp cannot be loaded, or None if it can."""
     try:
-        _load()
+        load_library()
         return None
     except UcpUnavailableError as e:
         return str(e)
@@ -206,21 +206,21 @@ def load_error() -> str | None:
 
 def ucx_version() -> tuple[int, int, int]:
     """(major, minor, release) of the loaded libucp.  Raises UcpUnavailableError."""
-    return _load().version
+    return load_library().version
 
 
 def library_path() -> str:
     """Filesystem path of the loaded libucp.  Raises UcpUnavailableError."""
-    return _load().path
+    return load_library().path
 
 
 # --------------------------------------------------------------------------- handles
-class _Handle:
+class Handle:
     """Base: owns a C handle, remembers the creating pid."""
 
     _what = "handle"
 
-    def __init__(self, lib: _Lib, handle: int | None) -> None:
+    def __init__(self, lib: UcpLib, handle: int | None) -> None:
         self._lib = lib
         self._h: int | None = handle
         self._pid = os.getpid()

@@ -28,7 +28,7 @@ class UcxSpec(BackendSpec):
     def create(self, layout: KVLayout, settings: Settings) -> Transport:
         from .transport import UcxTransport
 
-        return UcxTransport(layout, settings)
+        return UcxTransport(layout, settings, options=self.options or ())
 
 
 SPEC = UcxSpec()

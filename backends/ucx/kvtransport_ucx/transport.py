@@ -61,10 +61,8 @@ from kvtransport.layout import KVLayout
 from kvtransport.parking import Parking
 
 from . import _ucp, cudaipc
-from .spec import UcxSpec
 
 log = logging.getLogger("kvtransport.ucx")
-OPTIONS = UcxSpec.options
 SLOW_LANES = ("tcp",)
 PLANS = 16
 """Per link: how many distinct runs objects (requests in flight) keep their precomputed segment plan."""
@@ -82,11 +80,12 @@ INLINE_BUDGET_S = 0.5e-3
 class UcxTransport(Transport):
     name = "ucx"
 
-    def __init__(self, layout: KVLayout, settings: Settings) -> None:
+    def __init__(self, layout: KVLayout, settings: Settings, *, options: tuple[str, ...]) -> None:
+        """``options``: the backend's own option names (its spec's ``options``), named when one is unknown."""
         opts = dict(settings.backend_options)
         tls = opts.pop("tls", None)
         if opts:
-            raise unknown_option(sorted(opts)[0], OPTIONS, "ucx backend")
+            raise unknown_option(sorted(opts)[0], options, "ucx backend")
         _ucp.check_environment()
         if not _ucp.is_available():
             raise BackendUnavailable(f"ucx backend: {_ucp.load_error()}")
@@ -422,11 +421,11 @@ class _UcxOutLink(OutboundLink, CompletionMarks, FlushAndSend):
             self._landed = target
             return
         try:
-            done, _ = self.ep.worker.progress_until(req, INLINE_BUDGET_S)
+            done, _ = self.tr.worker.progress_until(req, INLINE_BUDGET_S)
             if done:
                 self._landed = max(self._landed, target)
         finally:
-            self.ep.worker.request_free(req)
+            self.tr.worker.request_free(req)
 
     def mark(self) -> Any:
         """A token for everything issued so far (see :meth:`landed`). Non-blocking."""
@@ -495,7 +494,7 @@ class _UcxOutLink(OutboundLink, CompletionMarks, FlushAndSend):
         finally:
             if req is not None:
                 with tr.lock:
-                    self.ep.worker.request_free(req)
+                    self.tr.worker.request_free(req)
         with tr.lock:
             self._landed = max(self._landed, target)
         return max(0, int(after.sent))
@@ -505,7 +504,7 @@ class _UcxOutLink(OutboundLink, CompletionMarks, FlushAndSend):
         once when a put waits for the worker, which then goes first), then sleep on the worker's event fd
         while it waits for the peer (TCP lanes need the target to progress)."""
         tr = self.tr
-        worker = self.ep.worker
+        worker = tr.worker
         try:
             while True:
                 now = time.monotonic()
