@@ -6,30 +6,33 @@ Roles: the *sender* (e.g. a prefill worker) calls ``connect(peer_metadata)`` and
 with many peers. Control messages travel over a TCP side channel bound to NET_IFNAME's address (loopback
 by default), in order; bytes travel over the backend.
 
-This module is the API (:class:`CommManager`, :class:`Peer`, :class:`Stats`) and the state shared by both
-sides; the sending side of a link is :mod:`kvtransport.sending` (``_Outbound``), the receiving side
-:mod:`kvtransport.receiving` (``_Inbound``, and ``ReceiverSide``: the admission methods ``CommManager``
-inherits), the GIL hand-off of a signaller :mod:`kvtransport.parking`.
+This module is the API (:class:`CommManager`, :class:`Peer`, :class:`Stats`) and composes the two sides: the
+sending side of a link is :mod:`kvtransport.sending` (``Outbound``), the receiving side
+:mod:`kvtransport.receiving` (the ``Receiver``: admission, the senders served, doorbells, departures; an
+``Inbound`` per sender), the GIL hand-off of a signaller :mod:`kvtransport.parking`. Both sides get what they use
+in a :class:`~kvtransport.sidecontext.SideContext` (settings, layout, identity, backend, sequence table,
+counters, thread starter) and never see the manager.
 
 Threads: one accept thread, one thread per inbound peer (receives control frames and, for two-sided
 backends, the data), one reader thread per outbound peer (error reports from the receiver) and, for
 one-sided backends, one signaller thread per outbound peer (flush, then signal, off the caller's path).
 A one-sided signal whose puts have already landed skips that hand-off: the caller's thread sends it (see
-``_Outbound``). The receiving thread applies every signal that arrived in one read under one lock round.
+``Outbound``). The receiving thread applies every signal that arrived in one read under one lock round.
 
 Lock order. A thread holding one of these takes only locks further down the list:
 
-1. ``CommManager._handshakes`` (a semaphore: taken at admission, held through one handshake)
-2. ``CommManager._lock`` (links, doorbells, threads, departed senders, the runs cache)
-3. ``_Outbound._put_lock`` (puts in issue order, abort fences, the doorbell's stores)
-4. ``_Outbound._send_order`` (held by whoever takes queued frames and sends them; never nests with 3)
+1. ``Receiver.handshakes`` (receiving.py; a semaphore: taken at admission, held through one handshake)
+2. ``Receiver.lock`` (receiving.py: inbound links, doorbells, departed senders) and ``CommManager._lock``
+   (outbound links, threads, the runs cache, closed); the two never nest
+3. ``Outbound._put_lock`` (sending.py: puts in issue order, abort fences, the doorbell's stores)
+4. ``Outbound._send_order`` (held by whoever takes queued frames and sends them; never nests with 3)
 5. the side channel's send lock (``FramedSocket``; held through a backend's ``flush_and_send``)
-6. ``_Outbound._lock`` with its conditions ``_idle`` and ``_wake`` (the frame queue, failure records)
+6. ``Outbound._lock`` with its conditions ``_idle`` and ``_wake`` (the frame queue, failure records)
 7. ``Parking._lock``
 
-Leaves (nothing is taken while one is held): ``CommManager._stats_lock``, the sequence table's condition
-(released while its poller reads the doorbells), ``_Inbound._acks_lock``, ``_Inbound.bell_lock``, the
-rate-limited log's lock. Backend calls: the blocking ones (``put``, ``flush``, ``flush_and_send``,
+Leaves (nothing is taken while one is held): ``Counters.lock`` (sidecontext.py; ``CommManager._stats_lock`` is
+it), the sequence table's condition (released while its poller reads the doorbells), ``Inbound._acks_lock``,
+``Inbound.bell_lock``, the rate-limited log's lock. Backend calls: the blocking ones (``put``, ``flush``, ``flush_and_send``,
 ``close``, the doorbell's stores; a handshake's ``answer``/``complete`` under 1) are made under 3, 4 or 5
 or with no lock, never under 6; under 6 only the non-blocking ``landed`` and ``Mailbox.append``; under 2
 only ``describe`` (``stats()``) and the close of a link whose ``connect`` raced ``close()``. A backend
@@ -57,7 +60,6 @@ from .config import Settings
 from .errors import (
     CommClosed,
     ConfigurationError,
-    IncompatiblePeer,
     InvalidArgument,
     InvalidBlockIds,
     KVTransportError,
@@ -68,10 +70,12 @@ from .errors import (
     map_errors,
 )
 from .layout import KVLayout, pieces_crc32
-from .receiving import ReceiverSide, _challenge, _hello_length, _Inbound
+from .receiving import Receiver, challenge, hello_length
 from .semaphores import SeqId, SequenceTable
-from .sending import _as_lists, _complete_watching_refusal, _IdsKey, _Outbound, checked_runs
+from .sending import Outbound, checked_runs, complete_watching_refusal
 from .sidechannel import FramedSocket
+from .sidecontext import Counters, SideContext
+from .sidecontext import Stats as Stats  # (its home before the split: kvtransport.manager.Stats)
 from .wire import FrameType
 
 log = logging.getLogger("kvtransport")
@@ -79,29 +83,29 @@ RUNS_CACHE = 64
 """How many distinct block-id lists keep their coalesced runs (a request's layers share one)."""
 PREAUTH_TIMEOUT_S = 10.0
 """A side-channel connection must complete its HELLO this soon (or within the manager's timeout if shorter)."""
-MAX_HANDSHAKES = 16
-"""Handshakes past their HELLO (link set-up with the backend) at once; more wait in the admission queue."""
 
 
-@dataclass
-class Stats:
-    """Counters of one manager (``cm.stats()`` returns them as a dict)."""
+class _IdsKey:
+    """A request's block ids as a cache key whose hash is computed once (a tuple re-hashes its 2 x N ints
+    at every dict operation: several µs a ``put_layer`` for a 2k-token request)."""
 
-    puts: int = 0
-    runs: int = 0
-    pieces: int = 0
-    bytes_sent: int = 0
-    signals: int = 0
-    puts_received: int = 0
-    bytes_received: int = 0
-    sequences_completed: int = 0
-    doorbell_signals: int = 0
-    """Signals the receiver applied from a device-written doorbell before their SIGNAL frame came."""
-    failures: int = 0
-    refused_peers: int = 0
-    foreign_refused: int = 0
-    """Events (puts, signals, cancels) refused because their sequence belongs to another sender."""
-    aborted: int = 0
+    __slots__ = ("hash", "ids")
+
+    def __init__(self, ids: tuple[Any, ...]) -> None:
+        self.ids = ids
+        self.hash = hash(ids)  # TypeError for unhashable ids
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _IdsKey) and self.hash == other.hash and self.ids == other.ids
+
+
+def _as_lists(key: _IdsKey) -> tuple[list[Any], list[Any], int]:
+    """(source ids, destination ids, destination block count) of a runs-cache key, the ids as lists."""
+    src, dst, n = key.ids
+    return list(src), list(dst), n
 
 
 @dataclass(eq=False)
@@ -118,10 +122,10 @@ class Peer:
     path: str
     """The data path in use, in words (what a user needs to know: e.g. NVLink vs TCP)."""
     layout: KVLayout = field(repr=False)
-    _state: _Outbound = field(repr=False)
+    _state: Outbound = field(repr=False)
 
 
-class CommManager(ReceiverSide):
+class CommManager:
     """See the module docstring. Create with :func:`kvtransport.open`; use as a context manager."""
 
     def __init__(self, layout: KVLayout, settings: Settings, transport: Transport) -> None:
@@ -132,16 +136,13 @@ class CommManager(ReceiverSide):
         self.capabilities = transport.capabilities
         self.instance = secrets.token_hex(8)
         self._table = SequenceTable(settings.capacity, layout.num_layers)
-        self._stats = Stats()
-        self._stats_lock = threading.Lock()
+        self._counters = Counters()
+        self._stats, self._stats_lock = self._counters.stats, self._counters.lock
         self._closed = False
         self._lock = threading.Lock()
-        self._outbound: list[_Outbound] = []
-        self._inbound: dict[int, _Inbound] = {}
-        self._bells: list[_Inbound] = []  # inbound links with a mapped doorbell (copy-on-write list)
+        self._outbound: list[Outbound] = []
         self._threads: list[threading.Thread] = []
         self._abort_token = 0
-        self._departed: OrderedDict[str, None] = OrderedDict()
         self._runs_cache: OrderedDict[_IdsKey, tuple[BlockRun, ...]] = OrderedDict()
         # the latest entry used: key, runs, and the ids as lists (for the fast path of _runs)
         self._last_runs: tuple[_IdsKey, tuple[BlockRun, ...], tuple[list[Any], list[Any], int]] | None = None
@@ -155,10 +156,13 @@ class CommManager(ReceiverSide):
                 "pick another port (KV_TRANSPORT_PORT, 0 = any free one) or check NET_IFNAME's address"
             ) from None
         self.host, self.port = self._server.getsockname()[:2]
-        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self._logs = RateLimitedLog(log)
-        self._admission = Admission(self._server, greet=_challenge, header_size=wire.FRAME_HEADER.size,
-                                    message_length=_hello_length, on_hello=self._on_hello,
+        self._ctx = SideContext(settings=settings, layout=layout, instance=self.instance, transport=transport,
+                                backend=self.backend, capabilities=self.capabilities, table=self._table,
+                                counters=self._counters, spawn=self._spawn)
+        self._receiver = Receiver(self._ctx, self._logs)
+        self._admission = Admission(self._server, greet=challenge, header_size=wire.FRAME_HEADER.size,
+                                    message_length=hello_length, on_hello=self._receiver.on_hello,
                                     preauth_timeout=min(settings.timeout, PREAUTH_TIMEOUT_S))
         self._admission.start()
         log.info("kvtransport %s ready: backend=%s side channel %s:%d", self.instance, self.backend, self.host, self.port)
@@ -196,7 +200,7 @@ class CommManager(ReceiverSide):
         if not isinstance(peer_metadata, bytes | bytearray | memoryview):
             raise InvalidArgument(f"peer metadata must be the bytes of cm.metadata(), got {type(peer_metadata).__name__}")
         meta = wire.decode_metadata(bytes(peer_metadata), self.settings.secret)  # sealed, when we have a secret
-        self._check_compatible(meta)
+        self._ctx.check_compatible(meta)
         peer_layout = KVLayout.from_wire(meta["layout"])
         info = PeerInfo(meta["instance"], meta["host"], peer_layout, meta["transport"])
         label = f"{meta['host']}:{meta['port']}"
@@ -232,13 +236,13 @@ class CommManager(ReceiverSide):
                         self.settings.secret, our_nonce, b"welcome " + str(reply.get("instance")).encode(), reply.get("auth")):
                     raise ProtocolError(f"the receiver at {label} did not prove KV_TRANSPORT_SECRET in its WELCOME: "
                                         "set the same secret on both sides")
-                link = _complete_watching_refusal(conn, dialer, reply["reply"], deadline, label)
+                link = complete_watching_refusal(conn, dialer, reply["reply"], deadline, label)
         except BaseException:
             if dialer is not None:
                 dialer.abort()
             conn.close()
             raise
-        state = _Outbound(self, conn, link, info)
+        state = Outbound(self._ctx, conn, link, info)
         state.open_doorbell()
         peer = Peer(meta["instance"], meta["host"], meta["port"], self.backend, link.describe(), peer_layout, state)
         with self._lock:
@@ -313,7 +317,7 @@ class CommManager(ReceiverSide):
         st.put(seq_id, chosen, checked)
         self._after_put(st, seq_id, chosen, checked, sum(r.count for r in checked))
 
-    def _after_put(self, st: _Outbound, seq_id: SeqId, layers: tuple[int, ...], runs: tuple[BlockRun, ...],
+    def _after_put(self, st: Outbound, seq_id: SeqId, layers: tuple[int, ...], runs: tuple[BlockRun, ...],
                    nblocks: int) -> None:
         """Checksums (debug) and counters of an issued put of ``layers``."""
         if self.settings.checksum:  # debug: the receiver recomputes it when the layer's signal arrives
@@ -400,15 +404,12 @@ class CommManager(ReceiverSide):
             raise InvalidArgument(f"sender must be an instance id (str) or metadata (bytes), got {type(sender).__name__}")
         st = self._table.acquire(seq_id, peer=instance)
         if st is not None and st.peer == instance:
-            with self._lock:
-                gone = instance in self._departed
-            if gone:
+            if self._receiver.departed_already(instance):
                 self._table.fail(seq_id, PeerDisconnected(f"sender {instance} disconnected before {seq_id!r} landed"))
 
     def inbound_peers(self) -> list[str]:
         """Instance ids of the senders connected to us now."""
-        with self._lock:
-            return [ib.peer for ib in self._inbound.values() if ib.peer is not None]
+        return [str(ib.peer) for ib in self._receiver.peers()]
 
     def wait(self, seq_id: SeqId, *, timeout: float) -> None:
         """Block until the sequence's signal arrived and all its puts landed (receiver side).
@@ -429,8 +430,8 @@ class CommManager(ReceiverSide):
     def poll(self) -> list[SeqId]:
         """Sequences that finished (landed or failed) since the last poll; ``wait(s, timeout=0)`` tells which."""
         self._check_open()
-        if self._bells:
-            self._poll_bells()
+        if self._receiver.bells:
+            self._receiver.poll_bells()
         return self._table.poll()
 
     def release(self, seq_id: SeqId) -> None:
@@ -457,8 +458,8 @@ class CommManager(ReceiverSide):
         wire.check_seq_id(seq_id)
         timeout = checks.timeout_seconds(timeout, "abort timeout")
         self._table.fail(seq_id, SequenceAborted(f"sequence {seq_id!r} was aborted by the receiver"))
+        inbound = self._receiver.peers()
         with self._lock:
-            inbound = [ib for ib in self._inbound.values() if ib.peer is not None]
             self._abort_token += 1
             token = self._abort_token
         waits = []
@@ -499,12 +500,12 @@ class CommManager(ReceiverSide):
 
     def stats(self) -> dict[str, Any]:
         """Counters, backend, paths in use and slot usage (for metrics)."""
-        with self._stats_lock:
-            out: dict[str, Any] = dict(vars(self._stats))
+        out: dict[str, Any] = self._counters.snapshot()
         with self._lock:
             out["paths"] = sorted({st.link.describe() for st in self._outbound})
-            out["inbound_peers"] = len(self._inbound)
             out["outbound_peers"] = len(self._outbound)
+        with self._receiver.lock:
+            out["inbound_peers"] = len(self._receiver.inbound)
         out.update(backend=self.backend, slots_in_use=self._table.in_use, capacity=self._table.capacity)
         out["transport"] = self.transport.stats()
         return out
@@ -515,8 +516,9 @@ class CommManager(ReceiverSide):
             if self._closed:
                 return
             self._closed = True
-            outs, ins = list(self._outbound), list(self._inbound.values())
+            outs = list(self._outbound)
             self._outbound.clear()
+        ins = self._receiver.close()
         self._table.close(CommClosed("CommManager closed"))
         self._admission.close()
         try:
@@ -548,7 +550,7 @@ class CommManager(ReceiverSide):
         if self._closed:
             raise CommClosed("CommManager is closed")
 
-    def _outbound_state(self, peer: Peer) -> _Outbound:
+    def _outbound_state(self, peer: Peer) -> Outbound:
         self._check_open()
         if not isinstance(peer, Peer):
             raise InvalidArgument(f"expected a Peer from cm.connect(), got {type(peer).__name__}")
@@ -568,22 +570,3 @@ class CommManager(ReceiverSide):
                 self._threads = [x for x in self._threads if x is not t]
             raise
         return t
-
-    def _count_failure(self) -> None:
-        with self._stats_lock:
-            self._stats.failures += 1
-
-    def _check_compatible(self, meta: dict[str, Any]) -> None:
-        """Raise IncompatiblePeer unless the peer's backend and layout match ours."""
-        if meta["backend"] != self.backend:
-            raise IncompatiblePeer(
-                f"peer uses backend {meta['backend']!r}, we use {self.backend!r}: set the same KV_TRANSPORT on both sides"
-            )
-        if meta["layout_hash"] != self.layout.compat_hash():
-            raise IncompatiblePeer(
-                "KV layouts differ, transfers would corrupt data: "
-                + self.layout.describe_mismatch(meta["layout_signature"])
-                + " (same model, dtype, block size and VLLM_KV_CACHE_LAYOUT are needed on both sides)"
-            )
-        if meta["instance"] == self.instance:
-            raise IncompatiblePeer("cannot connect a CommManager to itself")

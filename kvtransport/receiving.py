@@ -1,13 +1,16 @@
-"""The receiving side of the CommManager: one :class:`_Inbound` per connected sender, and the receiver's
-admission helpers (the CHALLENGE, the HELLO's length check, refusing a connection early).
+"""The receiving side of the CommManager: the :class:`Receiver` (admission of a HELLO, the senders served,
+their doorbells, a reconnecting sender's old link, departures), one :class:`Inbound` per connected sender, and
+the admission's helpers (the CHALLENGE, the HELLO's length check, refusing a connection early).
 
-An ``_Inbound`` is created by ``CommManager._on_hello`` (admission thread) and served on its own thread:
+The manager makes one ``Receiver`` and hands it a :class:`~kvtransport.sidecontext.SideContext` (settings, layout,
+identity, the backend, the sequence table, the counters, the thread starter): the receiving side never sees the
+manager. An ``Inbound`` is created by :meth:`Receiver.on_hello` (admission thread) and served on its own thread:
 the handshake past the HELLO, then every control frame of that sender in order (and, for two-sided
-backends, the data). Signals that arrived in one read are applied under one lock round. It reaches the
-manager's shared state (sequence table, counters, inbound list) through the manager it is given.
+backends, the data). Signals that arrived in one read are applied under one lock round.
 
-Locks held here: ``_acks_lock`` (abort confirmations) and ``bell_lock`` (the mapped doorbell); both are
-leaves. Their place in the manager's lock order: :mod:`kvtransport.manager`.
+Locks held here: ``Receiver.lock`` (the inbound links, doorbells, departed senders; taken after the handshake
+semaphore ``Receiver.handshakes``), and the leaves ``Inbound._acks_lock`` (abort confirmations) and
+``Inbound.bell_lock`` (the mapped doorbell). Their place in the whole order: :mod:`kvtransport.manager`.
 """
 
 from __future__ import annotations
@@ -18,12 +21,11 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 from . import wire
 from .admission import PendingHello, RateLimitedLog
 from .backend import InboundLink, PeerInfo
-from .config import Settings
 from .doorbell import BellReader
 from .errors import (
     CommClosed,
@@ -37,16 +39,16 @@ from .errors import (
     TransferError,
 )
 from .layout import KVLayout, pieces_crc32
-from .semaphores import SeqId, SequenceTable
+from .semaphores import SeqId
 from .sidechannel import FramedSocket
+from .sidecontext import SideContext
 from .wire import FrameType
-
-if TYPE_CHECKING:
-    from .manager import CommManager, Stats
 
 log = logging.getLogger("kvtransport")
 MAX_INBOUND = 4096
 """Connected senders at once; one more is refused."""
+MAX_HANDSHAKES = 16
+"""Handshakes past their HELLO (link set-up with the backend) at once; more wait in the admission queue."""
 RECONNECT_PROBE_S = 2.0
 """How long a reconnecting sender's handshake waits for its old, probed link to end (see _old_link_gone)."""
 MAX_PENDING_CHECKSUMS = 4096
@@ -61,13 +63,13 @@ CHECKSUM_RECORD_OVERHEAD = 256
 CRC's int, its list and dict slots; ~200 bytes measured), so that records of no runs count too."""
 
 
-def _challenge() -> tuple[bytes, bytes]:
+def challenge() -> tuple[bytes, bytes]:
     """A fresh nonce and the CHALLENGE frame carrying it (sent to each connection on accept)."""
     nonce = secrets.token_bytes(16)
     return nonce, wire.frame(FrameType.CHALLENGE, wire.json_payload({"nonce": nonce.hex()}))
 
 
-def _hello_length(header: bytes) -> int:
+def hello_length(header: bytes) -> int:
     """The payload length of a connection's first frame, which must be a HELLO of at most
     ``wire.MAX_HELLO_BYTES`` (ProtocolError otherwise: the admission drops it before reading a byte more)."""
     kind, length = wire.parse_header(header)
@@ -90,11 +92,12 @@ def _refuse_now(sock: socket.socket, exc: KVTransportError) -> None:
         sock.close()
 
 
-class _Inbound:
-    """One connected sender, served on its own thread."""
+class Inbound:
+    """One connected sender, served on its own thread; made by its :class:`Receiver`."""
 
-    def __init__(self, cm: CommManager, conn: FramedSocket) -> None:
-        self.cm = cm
+    def __init__(self, rx: Receiver, conn: FramedSocket) -> None:
+        self.rx = rx
+        self.ctx = rx.ctx
         self.conn = conn
         self.link: InboundLink | None = None
         self.peer: str | None = None
@@ -126,26 +129,26 @@ class _Inbound:
     def serve(self, hello_body: bytes) -> None:
         """Handshake thread, then the connection's reader: ``hello_body`` is the HELLO's body, unparsed (its HMAC
         over our CHALLENGE's nonce was checked on admission when a secret is set)."""
-        cm = self.cm
+        ctx, rx = self.ctx, self.rx
         try:
             try:
                 self._handshake(hello_body)
             finally:
-                cm._handshakes.release()
+                rx.handshakes.release()
             assert self.link is not None and self.peer is not None
-            two_sided = not cm.capabilities.one_sided
+            two_sided = not ctx.capabilities.one_sided
             while True:
                 marks: list[tuple[SeqId, int | None]] = []  # landed events of consecutive SIGNALs: applied at once
                 try:
                     for kind, payload in self.conn.recv_many():
                         if kind == FrameType.SIGNAL:
                             seq, layer, ticket, puts, nbytes = wire.decode_signal_full(payload)
-                            if layer is not None and layer >= cm.layout.num_layers:
-                                raise ProtocolError(f"SIGNAL for layer {layer} beyond our {cm.layout.num_layers} layers")
+                            if layer is not None and layer >= ctx.layout.num_layers:
+                                raise ProtocolError(f"SIGNAL for layer {layer} beyond our {ctx.layout.num_layers} layers")
                             if (puts or nbytes) and not two_sided:  # one-sided: what landed since the last one
-                                with cm._stats_lock:
-                                    cm._stats.puts_received += puts
-                                    cm._stats.bytes_received += nbytes
+                                with ctx.counters.lock:
+                                    ctx.counters.stats.puts_received += puts
+                                    ctx.counters.stats.bytes_received += nbytes
                             bell = self.bell
                             if ticket and bell is not None:
                                 with self.bell_lock:
@@ -162,53 +165,53 @@ class _Inbound:
                 finally:  # signals that arrived before a bad frame still count
                     self._apply(marks)
         except KVTransportError as exc:
-            if not cm._closed:
+            if not rx.closed:
                 if self.peer is not None:
-                    failed = cm._table.fail_peer(self.peer, PeerDisconnected(f"peer {self.peer} lost: {exc}"))
+                    failed = ctx.table.fail_peer(self.peer, PeerDisconnected(f"peer {self.peer} lost: {exc}"))
                     if failed:
-                        cm._count_failure()
+                        ctx.count_failure()
                         log.warning("peer %s lost with %d sequences in flight: %s", self.peer, len(failed), exc)
                 else:
                     log.info("side-channel connection from %s refused: %s", self.conn.peer_label, exc)
         except Exception as exc:  # never let a receiver thread die silently
             log.exception("receiver thread for %s crashed", self.conn.peer_label)
             if self.peer is not None:
-                cm._table.fail_peer(self.peer, PeerDisconnected(f"receiver error: {exc}"))
+                ctx.table.fail_peer(self.peer, PeerDisconnected(f"receiver error: {exc}"))
         finally:
             self.close()
-            cm._drop_inbound(self)
+            rx.drop_inbound(self)
 
     def _apply(self, marks: list[tuple[SeqId, int | None]]) -> None:
         """Mark a run of signalled events landed (one table operation) and empty ``marks``; NACK the events
         refused for want of a slot."""
         if not marks:
             return
-        cm = self.cm
+        ctx = self.ctx
         marks, pending = list(marks), marks
         pending.clear()
-        refused = cm._table.mark_many(marks, peer=self.peer)
+        refused = ctx.table.mark_many(marks, peer=self.peer)
         completed = sum(1 for _, layer in marks if layer is None) - sum(1 for _, layer, _ in refused if layer is None)
         if completed:
-            with cm._stats_lock:
-                cm._stats.sequences_completed += completed
+            with ctx.counters.lock:
+                ctx.counters.stats.sequences_completed += completed
         for seq, _, exc in refused:
             self._refuse(seq, exc)
 
     def _refuse(self, seq: SeqId, exc: KVTransportError) -> None:
         """Tell the sender that its event for ``seq`` was refused (NACK); foreign ones are counted."""
         if isinstance(exc, ForeignSequence):
-            with self.cm._stats_lock:
-                self.cm._stats.foreign_refused += 1
+            with self.ctx.counters.lock:
+                self.ctx.counters.stats.foreign_refused += 1
         self.conn.send(FrameType.NACK, wire.encode_error(seq, exc))
 
     def _on_frame(self, kind: FrameType, payload: bytes, two_sided: bool) -> None:
         """Every frame but SIGNAL, in order."""
-        cm = self.cm
+        ctx = self.ctx
         if kind == FrameType.PUT and two_sided:
             self._on_put(payload)
         elif kind == FrameType.CHECKSUM:
             seq, ck_layer, crc, runs = wire.decode_checksum_packed(payload)
-            if ck_layer >= cm.layout.num_layers or runs.dst_end > cm.layout.num_blocks:
+            if ck_layer >= ctx.layout.num_layers or runs.dst_end > ctx.layout.num_blocks:
                 raise ProtocolError("CHECKSUM frame outside our layout")
             self._pending_checksums += 1
             if self._pending_checksums > MAX_PENDING_CHECKSUMS:
@@ -224,13 +227,13 @@ class _Inbound:
         elif kind == FrameType.CANCEL:
             seq = wire.decode_cancel(payload)
             try:  # record it even if nobody waits yet, so a later wait fails at once
-                cm._table.acquire(seq, peer=self.peer, remote=True)
+                ctx.table.acquire(seq, peer=self.peer, remote=True)
             except SlotsExhausted:
                 pass
             except ForeignSequence as exc:  # another sender's sequence: not ours to cancel
                 self._refuse(seq, exc)
                 return
-            cm._table.fail(seq, SequenceAborted(f"sequence {seq!r} was cancelled by the sender"))
+            ctx.table.fail(seq, SequenceAborted(f"sequence {seq!r} was cancelled by the sender"))
         elif kind == FrameType.PING:
             self.conn.send(FrameType.PONG)
         elif kind == FrameType.DOORBELL:
@@ -241,7 +244,7 @@ class _Inbound:
     def _open_bell(self, offer: dict[str, Any]) -> None:
         """The sender offers a doorbell (kvtransport.doorbell); map it if we can, else signals come by frame."""
         path = offer.get("path")
-        settings = self.cm.settings
+        settings = self.ctx.settings
         if settings.checksum or not settings.doorbell or self.bell is not None or not isinstance(path, str):
             return  # checksums are verified when the SIGNAL frame arrives: keep that path only
         try:
@@ -251,7 +254,7 @@ class _Inbound:
             return
         with self.bell_lock:
             self.bell = bell
-        self.cm._add_bell(self)
+        self.rx.add_bell(self)
 
     def poll_bell(self) -> int:
         """Apply the signals the doorbell shows landed: 2 if it applied any, 1 if a signal is announced
@@ -264,12 +267,12 @@ class _Inbound:
                 return 0
             events = bell.landed()
             running = not events and bell.in_flight()
-        n = self.cm.layout.num_layers
+        n = self.ctx.layout.num_layers
         events = [(seq, layer) for seq, layer in events if layer is None or 0 <= layer < n]
         if not events:
             return 1 if running else 0
-        with self.cm._stats_lock:
-            self.cm._stats.doorbell_signals += len(events)
+        with self.ctx.counters.lock:
+            self.ctx.counters.stats.doorbell_signals += len(events)
         try:
             self._apply(events)
         except KVTransportError as exc:  # a NACK that could not be sent: the reader thread sees the link fail
@@ -278,8 +281,8 @@ class _Inbound:
 
     def _handshake(self, body: bytes) -> None:
         """The handshake past the (admitted, authenticated) HELLO: metadata, compatibility, the backend's link."""
-        cm = self.cm
-        deadline = time.monotonic() + cm.settings.timeout
+        ctx, rx = self.ctx, self.rx
+        deadline = time.monotonic() + ctx.settings.timeout
         answer = None
         try:
             hello = wire.parse_json_payload(body, "HELLO body")
@@ -288,27 +291,27 @@ class _Inbound:
             if not isinstance(meta, dict) or not isinstance(request, dict):
                 raise ProtocolError("HELLO body lacks metadata/request")
             meta = wire.decode_metadata(wire.encode_metadata(meta))  # same validation as connect()
-            cm._check_compatible(meta)
-            if not cm._old_link_gone(meta["instance"]):  # one link per sender: no one takes over another's id
+            ctx.check_compatible(meta)
+            if not rx.old_link_gone(meta["instance"]):  # one link per sender: no one takes over another's id
                 raise IncompatiblePeer(f"a sender with instance id {meta['instance']} is already connected")
             info = PeerInfo(meta["instance"], meta["host"], KVLayout.from_wire(meta["layout"]), meta["transport"])
-            answer = cm.transport.answer(info, request)
-            welcome: dict[str, Any] = {"reply": answer.reply, "instance": cm.instance}
-            if cm.settings.secret is not None:  # we prove the secret too, over the sender's fresh nonce
+            answer = ctx.transport.answer(info, request)
+            welcome: dict[str, Any] = {"reply": answer.reply, "instance": ctx.instance}
+            if ctx.settings.secret is not None:  # we prove the secret too, over the sender's fresh nonce
                 try:
                     their_nonce = bytes.fromhex(str(hello.get("nonce", "")))
                 except ValueError:
                     raise ProtocolError("malformed HELLO: its nonce is not hex") from None
                 if len(their_nonce) < 16:
                     raise ProtocolError("HELLO without a nonce of 16 bytes or more")
-                welcome["auth"] = wire.auth_tag(cm.settings.secret, their_nonce, b"welcome " + cm.instance.encode())
+                welcome["auth"] = wire.auth_tag(ctx.settings.secret, their_nonce, b"welcome " + ctx.instance.encode())
             self.conn.send(FrameType.WELCOME, wire.json_payload(welcome))
             self.link = answer.complete(max(0.001, deadline - time.monotonic()))
-            with cm._lock:
-                if meta["instance"] in (ib.peer for ib in cm._inbound.values()):  # (one that raced us)
+            with rx.lock:
+                if meta["instance"] in (ib.peer for ib in rx.inbound.values()):  # (one that raced us)
                     raise IncompatiblePeer(f"a sender with instance id {meta['instance']} is already connected")
                 self.peer = meta["instance"]
-                cm._table.peers = max(1, sum(1 for ib in cm._inbound.values() if ib.peer is not None))
+                ctx.table.peers = max(1, sum(1 for ib in rx.inbound.values() if ib.peer is not None))
             self.peer_layout = info.layout
         except KVTransportError as exc:
             if answer is not None:
@@ -322,7 +325,7 @@ class _Inbound:
     def _verify(self, seq: SeqId, layer: int | None) -> bool:
         """Debug option ``checksum``: recompute the CRCs of what landed for ``seq`` (one layer, or all
         that are pending) before the signal counts. On a mismatch the sequence fails; returns False."""
-        cm = self.cm
+        ctx = self.ctx
         pending = self._checksums.get(seq, [])
         due = [c for c in pending if layer is None or c[0] == layer]
         self._pending_checksums -= len(due)
@@ -331,45 +334,45 @@ class _Inbound:
         if not self._checksums[seq]:
             del self._checksums[seq]
         for lyr, crc, runs in due:
-            if pieces_crc32(cm.layout.layers[lyr], runs, source=False) != crc:
+            if pieces_crc32(ctx.layout.layers[lyr], runs, source=False) != crc:
                 try:
-                    cm._table.acquire(seq, peer=self.peer, remote=True)
+                    ctx.table.acquire(seq, peer=self.peer, remote=True)
                 except ForeignSequence as exc:
                     self._refuse(seq, exc)
                     return False
-                cm._table.fail(seq, TransferError(
+                ctx.table.fail(seq, TransferError(
                     f"integrity check failed for sequence {seq!r} layer {lyr}: the bytes that landed differ "
                     "from what was sent (silent corruption on the path)"))
-                cm._count_failure()
+                ctx.count_failure()
                 return False
         return True
 
     def _on_put(self, payload: bytes) -> None:
-        cm = self.cm
+        ctx = self.ctx
         assert self.link is not None
         seq, layer, runs = wire.decode_put(payload)
-        if layer >= cm.layout.num_layers:
-            raise ProtocolError(f"PUT for layer {layer} beyond our {cm.layout.num_layers} layers")
+        if layer >= ctx.layout.num_layers:
+            raise ProtocolError(f"PUT for layer {layer} beyond our {ctx.layout.num_layers} layers")
         for r in runs:
-            if r.dst + r.count > cm.layout.num_blocks or r.src + r.count > self.peer_layout.num_blocks:
+            if r.dst + r.count > ctx.layout.num_blocks or r.src + r.count > self.peer_layout.num_blocks:
                 raise ProtocolError(f"PUT run {r} is beyond the block range")
         try:
-            st = cm._table.acquire(seq, peer=self.peer, remote=True)
+            st = ctx.table.acquire(seq, peer=self.peer, remote=True)
             dropped: KVTransportError | None = None
             if st is None:
                 dropped = TransferError(f"sequence {seq!r} was released by the receiver; data discarded")
         except (SlotsExhausted, ForeignSequence) as exc:
             st, dropped = None, exc
         if st is None or st.finished:
-            self.link.discard(layer, runs, cm.settings.timeout)
+            self.link.discard(layer, runs, ctx.settings.timeout)
             if dropped is not None:
                 self._refuse(seq, dropped)
             return
-        self.link.receive(layer, runs, cm.settings.timeout)
+        self.link.receive(layer, runs, ctx.settings.timeout)
         nblocks = sum(r.count for r in runs)
-        with cm._stats_lock:
-            cm._stats.puts_received += 1
-            cm._stats.bytes_received += nblocks * cm.layout.layers[layer].block_bytes
+        with ctx.counters.lock:
+            ctx.counters.stats.puts_received += 1
+            ctx.counters.stats.bytes_received += nblocks * ctx.layout.layers[layer].block_bytes
 
     def close(self) -> None:
         with self._acks_lock:
@@ -378,7 +381,7 @@ class _Inbound:
         for ev in acks:
             ev.set()
         if self.bell is not None:
-            self.cm._drop_bell(self)
+            self.rx.drop_bell(self)
             with self.bell_lock:
                 bell, self.bell = self.bell, None
             if bell is not None:
@@ -397,93 +400,98 @@ def _record_bytes(runs: wire.PackedRuns) -> int:
     return len(runs.raw) + CHECKSUM_RECORD_OVERHEAD
 
 
-class ReceiverSide:
-    """The receiving side's admission and bookkeeping, as methods of :class:`~kvtransport.manager.CommManager`
-    (which inherits them): a HELLO taken from the admission queue (:meth:`_on_hello`), the senders served
-    (``_inbound``), their doorbells, a reconnecting sender's old link, a sender's departure. The state is the
-    manager's, under its ``_lock`` (lock order: :mod:`kvtransport.manager`)."""
+class Receiver:
+    """The receiving side of a manager: a HELLO taken from the admission queue (:meth:`on_hello`), the senders
+    served (``inbound``), their doorbells, a reconnecting sender's old link, a sender's departure. Its state is
+    under its own ``lock`` (lock order: :mod:`kvtransport.manager`). Made by the manager, with the context it
+    shares with the sending side and the manager's rate-limited log."""
 
-    settings: Settings
-    _lock: threading.Lock
-    _closed: bool
-    _stats: Stats
-    _stats_lock: threading.Lock
-    _inbound: dict[int, _Inbound]
-    _bells: list[_Inbound]
-    _departed: OrderedDict[str, None]
-    _table: SequenceTable
-    _handshakes: threading.BoundedSemaphore
-    _logs: RateLimitedLog
+    def __init__(self, ctx: SideContext, logs: RateLimitedLog) -> None:
+        self.ctx = ctx
+        self.logs = logs
+        self.lock = threading.Lock()
+        self.closed = False
+        self.inbound: dict[int, Inbound] = {}
+        self.bells: list[Inbound] = []  # inbound links with a mapped doorbell (copy-on-write list)
+        self.departed: OrderedDict[str, None] = OrderedDict()
+        self.handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
 
-    def _spawn(self, fn: Any, name: str, *args: Any) -> threading.Thread:
-        raise NotImplementedError  # CommManager's
-
-    def _on_hello(self, hello: PendingHello) -> bool | None:
+    def on_hello(self, hello: PendingHello) -> bool | None:
         """Admission thread: a connection sent a complete HELLO. Checks the secret first (a stranger never gets
         a thread), then hands the connection to a handshake thread of its own. Returns True when taken, False
         while every handshake slot is busy (the admission queue offers it again), None when refused."""
+        ctx = self.ctx
         try:
-            body = wire.hello_body(hello.raw, self.settings.secret, hello.nonce)  # the HMAC first, nothing parsed
+            body = wire.hello_body(hello.raw, ctx.settings.secret, hello.nonce)  # the HMAC first, nothing parsed
             if body is None:
-                with self._stats_lock:
-                    self._stats.refused_peers += 1
+                ctx.counters.add("refused_peers")
                 raise ProtocolError("handshake authentication failed: the peer does not know KV_TRANSPORT_SECRET "
                                     "(set the same secret on both sides)")
-            with self._lock:
-                if self._closed:
+            with self.lock:
+                if self.closed:
                     raise CommClosed("CommManager closed")
-                if len(self._inbound) >= MAX_INBOUND:
+                if len(self.inbound) >= MAX_INBOUND:
                     raise ProtocolError(f"this receiver already serves {MAX_INBOUND} senders; try another")
         except KVTransportError as exc:
-            self._logs.log(logging.INFO, "refused", "side-channel connection from %s refused: %s", hello.label, exc)
+            self.logs.log(logging.INFO, "refused", "side-channel connection from %s refused: %s", hello.label, exc)
             _refuse_now(hello.sock, exc)
             return None
-        if not self._handshakes.acquire(blocking=False):
+        if not self.handshakes.acquire(blocking=False):
             return False
         hello.sock.setblocking(True)
-        conn = FramedSocket(hello.sock, hello.label, self.settings.timeout)
+        conn = FramedSocket(hello.sock, hello.label, ctx.settings.timeout)
         conn.preload(hello.leftover)
-        inbound = _Inbound(cast("CommManager", self), conn)
-        with self._lock:
-            self._inbound[id(inbound)] = inbound
+        inbound = Inbound(self, conn)
+        with self.lock:
+            self.inbound[id(inbound)] = inbound
         try:
-            self._spawn(inbound.serve, f"kvt-in-{hello.label.rsplit(':', 1)[-1]}", body)
+            ctx.spawn(inbound.serve, f"kvt-in-{hello.label.rsplit(':', 1)[-1]}", body)
         except RuntimeError as exc:  # no thread could be started (a transient shortage): refuse, keep serving
-            self._handshakes.release()
-            with self._lock:
-                self._inbound.pop(id(inbound), None)
-            self._logs.log(logging.WARNING, "spawn", "kvtransport: cannot start a thread for %s (%s); refused",
-                           hello.label, exc)
+            self.handshakes.release()
+            with self.lock:
+                self.inbound.pop(id(inbound), None)
+            self.logs.log(logging.WARNING, "spawn", "kvtransport: cannot start a thread for %s (%s); refused",
+                          hello.label, exc)
             inbound.close()
             return None
         return True
 
-    def _add_bell(self, inbound: _Inbound) -> None:
-        with self._lock:
-            self._bells = [*self._bells, inbound]
-            self._table.poller = self._poll_bells
+    def peers(self) -> list[Inbound]:
+        """The inbound links past their handshake (a sender's instance id in ``peer``)."""
+        with self.lock:
+            return [ib for ib in self.inbound.values() if ib.peer is not None]
 
-    def _drop_bell(self, inbound: _Inbound) -> None:
-        with self._lock:
-            self._bells = [ib for ib in self._bells if ib is not inbound]
-            if not self._bells:
-                self._table.poller = None
+    def departed_already(self, instance: str) -> bool:
+        """Whether sender ``instance`` was connected and is gone (the last 1,024 remembered)."""
+        with self.lock:
+            return instance in self.departed
 
-    def _poll_bells(self) -> int:
+    def add_bell(self, inbound: Inbound) -> None:
+        with self.lock:
+            self.bells = [*self.bells, inbound]
+            self.ctx.table.poller = self.poll_bells
+
+    def drop_bell(self, inbound: Inbound) -> None:
+        with self.lock:
+            self.bells = [ib for ib in self.bells if ib is not inbound]
+            if not self.bells:
+                self.ctx.table.poller = None
+
+    def poll_bells(self) -> int:
         """Apply what the doorbells of every inbound link show landed: 2 if anything was, 1 if a signal's
         copies are still running, else 0. Any thread."""
         state = 0
-        for inbound in self._bells:
+        for inbound in self.bells:
             state = max(state, inbound.poll_bell())
         return state
 
-    def _old_link_gone(self, instance: str) -> bool:
+    def old_link_gone(self, instance: str) -> bool:
         """Whether no live link of sender ``instance`` remains. A sender that reconnects after a partition
         may find its old link still here (its close never arrived): the old connection is probed (a PONG,
         which a live sender ignores; a sender that closed it answers with a reset) and given
         RECONNECT_PROBE_S to go. Handshake thread; bounded."""
-        with self._lock:
-            old = [ib for ib in self._inbound.values() if ib.peer == instance]
+        with self.lock:
+            old = [ib for ib in self.inbound.values() if ib.peer == instance]
         if not old:
             return True
         for ib in old:
@@ -491,21 +499,28 @@ class ReceiverSide:
                 ib.conn.send(FrameType.PONG)
             except KVTransportError:
                 ib.conn.close()  # already broken: its reader ends now
-        deadline = time.monotonic() + min(RECONNECT_PROBE_S, self.settings.timeout)
+        deadline = time.monotonic() + min(RECONNECT_PROBE_S, self.ctx.settings.timeout)
         while time.monotonic() < deadline:
-            with self._lock:
-                if not any(ib.peer == instance for ib in self._inbound.values()):
+            with self.lock:
+                if not any(ib.peer == instance for ib in self.inbound.values()):
                     return True
             time.sleep(0.02)
         return False
 
-    def _drop_inbound(self, inbound: _Inbound) -> None:
-        with self._lock:
-            self._inbound.pop(id(inbound), None)
-            self._table.peers = max(1, sum(1 for ib in self._inbound.values() if ib.peer is not None))
+    def drop_inbound(self, inbound: Inbound) -> None:
+        table = self.ctx.table
+        with self.lock:
+            self.inbound.pop(id(inbound), None)
+            table.peers = max(1, sum(1 for ib in self.inbound.values() if ib.peer is not None))
             if inbound.peer is not None:
-                self._departed[inbound.peer] = None
-                while len(self._departed) > 1024:
-                    self._departed.popitem(last=False)
+                self.departed[inbound.peer] = None
+                while len(self.departed) > 1024:
+                    self.departed.popitem(last=False)
         if inbound.peer is not None:  # sequences expected from it (and not landed) fail now
-            self._table.fail_peer(inbound.peer, PeerDisconnected(f"sender {inbound.peer} disconnected"))
+            table.fail_peer(inbound.peer, PeerDisconnected(f"sender {inbound.peer} disconnected"))
+
+    def close(self) -> list[Inbound]:
+        """Refuse every later HELLO; returns the links to close (the manager closes them after its own)."""
+        with self.lock:
+            self.closed = True
+            return list(self.inbound.values())

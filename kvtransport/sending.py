@@ -1,8 +1,10 @@
-"""The sending side of the CommManager: one :class:`_Outbound` per connected receiver (its puts, the queue
-of frames that must follow them, the signaller and reader threads), and the sender's input checks (block-id
-cache keys, explicit runs) and link set-up helper.
+"""The sending side of the CommManager: one :class:`Outbound` per connected receiver (its puts, the queue
+of frames that must follow them, the signaller and reader threads), and the sender's input check of explicit
+runs and link set-up helper. An ``Outbound`` gets what it uses of its manager in a
+:class:`~kvtransport.sidecontext.SideContext` (settings, the backend's name and capabilities, the layout's block
+sizes, the counters, the thread starter); it never sees the manager.
 
-What a link offers beyond puts is found once, when its ``_Outbound`` is created, from the capabilities its
+What a link offers beyond puts is found once, when its ``Outbound`` is created, from the capabilities its
 class declares (:class:`~kvtransport.backend.CompletionMarks`, :class:`~kvtransport.backend.FlushAndSend`)
 and its ``doorbell`` attribute (:class:`~kvtransport.backend.DoorbellWriter`).
 
@@ -17,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import doorbell, wire
 from .backend import CompletionMarks, DoorbellWriter, FlushAndSend, Mailbox, OutboundLink, PeerInfo
@@ -37,10 +39,8 @@ from .errors import (
 from .parking import Parking
 from .semaphores import SeqId
 from .sidechannel import FramedSocket
+from .sidecontext import SideContext
 from .wire import FrameType
-
-if TYPE_CHECKING:
-    from .manager import CommManager
 
 log = logging.getLogger("kvtransport")
 MAX_FAILED_RECORDS = 65536
@@ -48,30 +48,6 @@ MAX_FAILED_RECORDS = 65536
 
 FlushAndSendFn = Callable[[float, int, bytes, Parking | None, Callable[[Mailbox], None] | None], int]
 """A link's bound :meth:`~kvtransport.backend.FlushAndSend.flush_and_send`."""
-
-
-class _IdsKey:
-    """A request's block ids as a cache key whose hash is computed once (a tuple re-hashes its 2 x N ints
-    at every dict operation: several µs a ``put_layer`` for a 2k-token request)."""
-
-    __slots__ = ("hash", "ids")
-
-    def __init__(self, ids: tuple[Any, ...]) -> None:
-        self.ids = ids
-        self.hash = hash(ids)  # TypeError for unhashable ids
-
-    def __hash__(self) -> int:
-        return self.hash
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _IdsKey) and self.hash == other.hash and self.ids == other.ids
-
-
-def _as_lists(key: _IdsKey) -> tuple[list[Any], list[Any], int]:
-    """(source ids, destination ids, destination block count) of a runs-cache key, the ids as lists."""
-    src, dst, n = key.ids
-    return list(src), list(dst), n
-
 
 
 def checked_runs(runs: Any, src_blocks: int, dst_blocks: int) -> tuple[BlockRun, ...]:
@@ -109,8 +85,8 @@ def _not_int(x: object) -> int:
     raise TypeError(f"not an integer: {x!r}")
 
 
-def _complete_watching_refusal(conn: FramedSocket, dialer: Any, reply: dict[str, Any], deadline: float,
-                               label: str) -> OutboundLink:
+def complete_watching_refusal(conn: FramedSocket, dialer: Any, reply: dict[str, Any], deadline: float,
+                              label: str) -> OutboundLink:
     """``dialer.complete(reply, ...)`` on a helper thread while this thread watches the side channel.
 
     Between WELCOME and a working link the receiver sends nothing unless its own half of the link fails; then
@@ -157,7 +133,7 @@ def _complete_watching_refusal(conn: FramedSocket, dialer: Any, reply: dict[str,
     return link
 
 
-class _Outbound:
+class Outbound:
     """Sender-side state of one peer link.
 
     One-sided backends: a frame that must arrive after earlier puts (SIGNAL, CANCEL, CHECKSUM) is queued
@@ -180,12 +156,13 @@ class _Outbound:
     wait) says how much of it was.
     """
 
-    def __init__(self, cm: CommManager, conn: FramedSocket, link: OutboundLink, info: PeerInfo) -> None:
-        self.cm = cm
+    def __init__(self, ctx: SideContext, conn: FramedSocket, link: OutboundLink, info: PeerInfo) -> None:
+        self.ctx = ctx
         self.conn = conn
         self.link = link
         self.info = info
-        self.one_sided = cm.capabilities.one_sided
+        self.one_sided = ctx.capabilities.one_sided
+        self._layer_block_bytes = [layer.block_bytes for layer in ctx.layout.layers]
         self._lock = threading.Lock()
         self._put_lock = threading.Lock()
         self._send_order = threading.Lock()  # held by whoever takes queued frames and sends them: order kept
@@ -213,15 +190,15 @@ class _Outbound:
         self._bell_word = 0  # device address of its completion word
         self._bell_host = 0  # host address of its mapping
         self._unsignalled = [0, 0]  # one-sided: puts and bytes issued since the last SIGNAL (under _put_lock)
-        self._reader = cm._spawn(self._read_loop, f"kvt-out-{info.instance[:6]}")
+        self._reader = ctx.spawn(self._read_loop, f"kvt-out-{info.instance[:6]}")
         if self.one_sided:
-            self._signaller = cm._spawn(self._signal_loop, f"kvt-sig-{info.instance[:6]}")
+            self._signaller = ctx.spawn(self._signal_loop, f"kvt-sig-{info.instance[:6]}")
 
     def open_doorbell(self) -> None:
         """Right after connect, before any signal: offer the receiver a doorbell if the link can write one
         (``link.doorbell``; kvtransport.doorbell). Without one, or if anything fails, signals go by frame."""
         door = self._door
-        if door is None or not self.one_sided or self.cm.settings.checksum or not self.cm.settings.doorbell:
+        if door is None or not self.one_sided or self.ctx.settings.checksum or not self.ctx.settings.doorbell:
             return
         try:
             bell = BellWriter()
@@ -273,11 +250,11 @@ class _Outbound:
             self._check(seq)
             try:
                 # a backend that leaks its library's error: still a typed error, and it fails the link
-                with map_errors(TransferError, f"{self.cm.backend} put failed", peer=self.info.instance):
+                with map_errors(TransferError, f"{self.ctx.backend} put failed", peer=self.info.instance):
                     if self.one_sided:  # the receiver learns these counts from the next SIGNAL
                         nblocks = sum(r.count for r in runs)
                         self._unsignalled[0] += len(layers)
-                        self._unsignalled[1] += sum(nblocks * self.cm._layer_block_bytes[layer] for layer in layers)
+                        self._unsignalled[1] += sum(nblocks * self._layer_block_bytes[layer] for layer in layers)
                     if len(layers) == 1:
                         if not self.one_sided:
                             self.conn.send(FrameType.PUT, wire.encode_put(seq, layers[0], runs))
@@ -309,7 +286,7 @@ class _Outbound:
         with self._put_lock:
             self.mark_failed(seq, SequenceAborted(f"sequence {seq!r} was aborted by the receiver"))
         if self.one_sided:
-            self.link.flush(self.cm.settings.timeout)
+            self.link.flush(self.ctx.settings.timeout)
         self.conn.send(FrameType.ABORT_ACK, wire.encode_abort(seq, token))
 
     def signal(self, seq: SeqId, layer: int | None) -> None:
@@ -434,7 +411,7 @@ class _Outbound:
                 self._flush_link(max(0.001, deadline - time.monotonic()))
 
     def _flush_link(self, timeout: float) -> None:
-        with map_errors(TransferError, f"{self.cm.backend} flush failed"):  # a library's error, typed
+        with map_errors(TransferError, f"{self.ctx.backend} flush failed"):  # a library's error, typed
             self.link.flush(timeout)
 
     def forget(self, seq: SeqId) -> None:
@@ -473,7 +450,7 @@ class _Outbound:
         extra: list[tuple[FrameType, bytes, Any]] = []
         try:
             if self._error is None and self._landed_count(batch) < len(batch):
-                timeout = self.cm.settings.timeout
+                timeout = self.ctx.settings.timeout
                 fs = self._flush_and_send_fn
                 if fs is not None:  # the backend writes the batch the moment the puts land (class docstring)
                     token = batch[-1][2]
@@ -517,7 +494,7 @@ class _Outbound:
             self._delivery_error = exc
             self._fail_link(exc)
         except Exception as exc:  # never let the signaller die silently
-            self._delivery_error = TransferError(f"{self.cm.backend} flush failed: {type(exc).__name__}: {exc}")
+            self._delivery_error = TransferError(f"{self.ctx.backend} flush failed: {type(exc).__name__}: {exc}")
             self._fail_link(self._delivery_error)
         batch += extra
         if sent:
@@ -534,7 +511,7 @@ class _Outbound:
                 if kind == FrameType.NACK:
                     seq, exc = wire.decode_nack(payload)
                     self.mark_failed(seq, exc)
-                    self.cm._count_failure()
+                    self.ctx.count_failure()
                 elif kind == FrameType.ABORT:
                     self._on_abort(*wire.decode_abort(payload))
                 elif kind == FrameType.PONG:

@@ -27,20 +27,20 @@ fi
 export KVT_HYPOTHESIS_MAX_EXAMPLES=${KVT_HYPOTHESIS_MAX_EXAMPLES:-200} HYPOTHESIS_PROFILE=ci
 CHILDREN=${MUTMUT_CHILDREN:-1}
 
-# Of manager.py and receiving.py (the receiving side split out of it), the receiver's checks of what a peer
+# Of manager.py, receiving.py and sidecontext.py (the receiving side and the context split out of it), the receiver's checks of what a peer
 # sends: admission (the secret), the handshake (compatibility, one link per sender, our proof of the secret),
 # the bounds of SIGNAL, PUT, CHECKSUM and CANCEL frames, the doorbell's layer filter and the checksum
 # verification. The sender side (sending.py, parking.py) is left out.
 MANAGER_RECEIVE_CHECKS=(
-  'kvtransport.manager.xǁCommManagerǁ_check_compatible__mutmut_*'
-  'kvtransport.receiving.xǁReceiverSideǁ_on_hello__mutmut_*'
-  'kvtransport.receiving.x__hello_length__mutmut_*'
-  'kvtransport.receiving.xǁ_Inboundǁserve__mutmut_*'
-  'kvtransport.receiving.xǁ_Inboundǁ_handshake__mutmut_*'
-  'kvtransport.receiving.xǁ_Inboundǁ_on_frame__mutmut_*'
-  'kvtransport.receiving.xǁ_Inboundǁ_on_put__mutmut_*'
-  'kvtransport.receiving.xǁ_Inboundǁ_verify__mutmut_*'
-  'kvtransport.receiving.xǁ_Inboundǁpoll_bell__mutmut_*'
+  'kvtransport.sidecontext.xǁSideContextǁcheck_compatible__mutmut_*'
+  'kvtransport.receiving.xǁReceiverǁon_hello__mutmut_*'
+  'kvtransport.receiving.x_hello_length__mutmut_*'
+  'kvtransport.receiving.xǁInboundǁserve__mutmut_*'
+  'kvtransport.receiving.xǁInboundǁ_handshake__mutmut_*'
+  'kvtransport.receiving.xǁInboundǁ_on_frame__mutmut_*'
+  'kvtransport.receiving.xǁInboundǁ_on_put__mutmut_*'
+  'kvtransport.receiving.xǁInboundǁ_verify__mutmut_*'
+  'kvtransport.receiving.xǁInboundǁpoll_bell__mutmut_*'
 )
 CORE=('kvtransport.coalesce.*' 'kvtransport.semaphores.*' 'kvtransport.wire.*' 'kvtransport.layout.*'
       'kvtransport.checks.*' "${MANAGER_RECEIVE_CHECKS[@]}")

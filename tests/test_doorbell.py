@@ -169,9 +169,9 @@ def test_a_receiver_sees_completion_by_doorbell_before_the_frame(bell_pair):
     s, r, src, dst, bell = bell_pair
     peer = s.connect(r.metadata())
     deadline = time.monotonic() + 5
-    while not r._bells and time.monotonic() < deadline:  # the DOORBELL frame is read by the receiver thread
+    while not r._receiver.bells and time.monotonic() < deadline:  # the DOORBELL frame is read by the receiver thread
         time.sleep(0.01)
-    assert r._bells, "the receiver did not map the sender's doorbell"
+    assert r._receiver.bells, "the receiver did not map the sender's doorbell"
     release_frames = _hold_frames(peer)
     bell.held = True
     s.put_layer(peer, "a", 0, [1, 2], [3, 4])
@@ -235,7 +235,7 @@ def test_a_failed_doorbell_store_leaves_no_waiter_spinning(bell_pair, monkeypatc
     s, r, _, _, bell = bell_pair
     peer = s.connect(r.metadata())
     deadline = time.monotonic() + 5
-    while not r._bells and time.monotonic() < deadline:
+    while not r._receiver.bells and time.monotonic() < deadline:
         time.sleep(0.01)
 
     def broken(device_address, value):
@@ -246,7 +246,7 @@ def test_a_failed_doorbell_store_leaves_no_waiter_spinning(bell_pair, monkeypatc
     s.signal(peer, "a")  # announced on the ring, but no store will come: the frame carries the ticket
     r.wait("a", timeout=5)
     assert peer._state._bell is None  # later signals go by frame only
-    (inbound,) = r._bells
+    (inbound,) = r._receiver.bells
     assert not inbound.bell.in_flight()  # else every waiter would spin on a store that never comes
     s.put_layer(peer, "b", 0, [2], [2])
     s.signal(peer, "b")

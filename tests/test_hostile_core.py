@@ -67,7 +67,7 @@ def checksum_flood(r, runs, records):
     with kt.open(src.layout, **opts) as s:
         peer = s.connect(r.metadata(), timeout=10)
         deadline = time.monotonic() + 10  # the receiver files the link a moment after connect returned
-        while not (found := [x for x in list(r._inbound.values()) if x.peer == s.instance]):
+        while not (found := [x for x in list(r._receiver.inbound.values()) if x.peer == s.instance]):
             assert time.monotonic() < deadline, "no inbound link"
             time.sleep(0.01)
         ib = found[0]
@@ -322,7 +322,7 @@ def inbound_of(r: Any, instance: str, within: float = 10.0) -> Any:
     sender's connect returned (a loaded CI host made a bare ``next()`` miss it)."""
     deadline = time.monotonic() + within
     while True:
-        found = [x for x in list(r._inbound.values()) if x.peer == instance]
+        found = [x for x in list(r._receiver.inbound.values()) if x.peer == instance]
         if found or time.monotonic() > deadline:
             assert found, f"no inbound link from {instance} within {within} s"
             return found[0]

@@ -9,22 +9,13 @@ from types import ModuleType
 
 import pytest
 
-# What is left (issue 31): the core's sender and receiver still reach back into CommManager, and the connector's
-# scheduler side and its roles import each other. Both are to be untangled together with the issues that change
-# those files' behaviour (30: the host path; 27: the landing report). Remove an entry when it goes: the test fails
-# on a stale one too.
+# What is left (issue 31): the connector's scheduler side and its roles import each other; to be untangled together
+# with the issue that changes those files' behaviour (27: the landing report). Remove an entry when it goes: the
+# test fails on a stale one too.
 KNOWN_CYCLES = [
-    ["kvtransport.manager", "kvtransport.receiving", "kvtransport.sending"],
     ["kvtransport_vllm.consumer", "kvtransport_vllm.producer", "kvtransport_vllm.scheduler"],
 ]
 KNOWN_PRIVATE = {
-    ("kvtransport.manager", "kvtransport.receiving", "_Inbound"),
-    ("kvtransport.manager", "kvtransport.receiving", "_challenge"),
-    ("kvtransport.manager", "kvtransport.receiving", "_hello_length"),
-    ("kvtransport.manager", "kvtransport.sending", "_IdsKey"),
-    ("kvtransport.manager", "kvtransport.sending", "_Outbound"),
-    ("kvtransport.manager", "kvtransport.sending", "_as_lists"),
-    ("kvtransport.manager", "kvtransport.sending", "_complete_watching_refusal"),
     ("kvtransport_vllm.scheduler", "kvtransport_vllm.consumer", "_FirstWait"),
     ("kvtransport_vllm.scheduler", "kvtransport_vllm.consumer", "_Recv"),
     ("kvtransport_vllm.scheduler", "kvtransport_vllm.producer", "_Dst"),

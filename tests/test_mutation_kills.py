@@ -31,7 +31,6 @@ from kvtransport import (
     SequenceAborted,
     SlotsExhausted,
     TransferError,
-    manager,
     receiving,
     wire,
 )
@@ -40,6 +39,7 @@ from kvtransport.coalesce import BlockRun, coalesce, single_runs
 from kvtransport.layout import iter_segments, pieces_crc32
 from kvtransport.semaphores import SequenceTable
 from kvtransport.sidechannel import FramedSocket
+from kvtransport.sidecontext import Counters
 from kvtransport.testing import inproc
 from kvtransport.workload.caches import CacheSpec, HostCache
 
@@ -491,7 +491,7 @@ def two_sided(monkeypatch: pytest.MonkeyPatch) -> Iterator[TwoSided]:
     monkeypatch.setattr(inproc._InLink, "discard", lambda self, layer, runs, timeout:
                         calls.append(("discard", layer, list(runs), timeout)), raising=False)
     r = kt.open(HostCache(SPEC2).layout, backend="inproc", timeout=TIMEOUT, capacity=2)
-    r.capabilities = dataclasses.replace(r.capabilities, one_sided=False)
+    r.capabilities = r._ctx.capabilities = dataclasses.replace(r.capabilities, one_sided=False)
     env = TwoSided(r, calls, [])
     try:
         yield env
@@ -824,9 +824,9 @@ class _Bell:
 
 
 def _inbound(bell: _Bell | None, apply: Callable[[list[Any]], None]) -> Any:
-    ib: Any = receiving._Inbound.__new__(receiving._Inbound)  # only what poll_bell reads
-    ib.cm = type("CM", (), {"layout": KVLayout.from_regions(1, [[(BASE, 8, 8)], [(2 * BASE, 8, 8)]]),
-                            "_stats_lock": threading.Lock(), "_stats": manager.Stats()})()
+    ib: Any = receiving.Inbound.__new__(receiving.Inbound)  # only what poll_bell reads
+    ib.ctx = type("Ctx", (), {"layout": KVLayout.from_regions(1, [[(BASE, 8, 8)], [(2 * BASE, 8, 8)]]),
+                              "counters": Counters()})()
     ib.bell, ib.bell_lock, ib.peer = bell, threading.Lock(), "p"
     ib._apply = apply
     return ib
@@ -845,7 +845,7 @@ def test_the_doorbell_poll_applies_valid_layers_and_says_what_it_saw() -> None:
     assert applied == [[("a", None), ("a", 0), ("a", 1)]]
     ib.bell = _Bell([("b", 1)], in_flight=False)
     assert ib.poll_bell() == 2
-    assert ib.cm._stats.doorbell_signals == 4
+    assert ib.ctx.counters.stats.doorbell_signals == 4
 
 
 def test_a_doorbell_poll_whose_nack_cannot_be_sent_still_reports_what_it_applied() -> None:
@@ -915,7 +915,7 @@ def test_a_receiver_refusing_before_its_backend_answers_tells_the_sender_why(
     def refuse(meta: dict[str, Any]) -> None:
         raise kt.IncompatiblePeer("refused for the test")
 
-    monkeypatch.setattr(r, "_check_compatible", refuse)
+    monkeypatch.setattr(r._ctx, "check_compatible", refuse)
     with kt.open(HostCache(SPEC2).layout, backend="inproc") as s2, \
             pytest.raises(kt.IncompatiblePeer, match="refused for the test"):
         s2.connect(r.metadata())
@@ -952,8 +952,8 @@ def test_with_every_handshake_slot_busy_hellos_wait_and_admission_still_refuses(
     done: list[Any] = []
     with kt.open(HostCache(SPEC2).layout, backend="inproc") as r, \
             kt.open(HostCache(SPEC2).layout, backend="inproc") as s2:
-        r._handshakes = threading.BoundedSemaphore(1)  # (no handshake has run on this receiver yet)
-        r._handshakes.acquire()  # the only slot, held
+        r._receiver.handshakes = threading.BoundedSemaphore(1)  # (no handshake has run on this receiver yet)
+        r._receiver.handshakes.acquire()  # the only slot, held
         t = threading.Thread(target=lambda: done.append(s2.connect(r.metadata(), timeout=15)), daemon=True)
         t.start()
         time.sleep(0.3)
@@ -961,7 +961,7 @@ def test_with_every_handshake_slot_busy_hellos_wait_and_admission_still_refuses(
         t0 = time.monotonic()  # the admission thread is not blocked by the waiting HELLO
         assert _raw_hello(r, None, payload=b"[]") == _refusal("malformed HELLO: expected a JSON object")
         assert time.monotonic() - t0 < 5
-        r._handshakes.release()
+        r._receiver.handshakes.release()
         t.join(15)
         assert done and s2.instance in r.inbound_peers()
 
@@ -987,7 +987,7 @@ def test_a_receiver_thread_that_crashes_fails_its_senders_sequences(pair1: Any,
     def crash(self: Any, kind: Any, payload: bytes, two_sided: bool) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(receiving._Inbound, "_on_frame", crash)
+    monkeypatch.setattr(receiving.Inbound, "_on_frame", crash)
     peer._state.conn.send(wire.FrameType.PING)
     with pytest.raises(PeerDisconnected, match=r"^receiver error: boom$"):
         r.wait("inflight", timeout=5)

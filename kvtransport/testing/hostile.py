@@ -242,11 +242,10 @@ def owner_senders(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
 
 # ============================================================== per-peer bounds
 def _inbound_of(cm: Any, instance: str, timeout: float = 20.0) -> Any:
-    """The receiver's ``_Inbound`` serving sender ``instance`` (waits, bounded, for its handshake to end)."""
+    """The receiver's ``Inbound`` serving sender ``instance`` (waits, bounded, for its handshake to end)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        with cm._lock:
-            found = [ib for ib in cm._inbound.values() if ib.peer == instance]
+        found = [ib for ib in cm._receiver.peers() if ib.peer == instance]
         if found:
             return found[0]
         time.sleep(0.01)
@@ -396,8 +395,8 @@ def inbound_receiver(link: RoleLink, cfg: dict[str, Any]) -> dict[str, Any]:
         link.barrier("full")  # the sender linked max_inbound managers, and one more tried
         _until(lambda: len(cm.inbound_peers()) >= cfg["max_inbound"])  # (our side of the last link completes)
         out["inbound_full"] = len(cm.inbound_peers())
-        with cm._lock:  # (for a failure's message: each link's state)
-            out["links_full"] = [(ib.peer, ib.closed) for ib in cm._inbound.values()]
+        with cm._receiver.lock:  # (for a failure's message: each link's state)
+            out["links_full"] = [(ib.peer, ib.closed) for ib in cm._receiver.inbound.values()]
         out["handed_off_full"] = cm._admission.stats.handed_off  # (the one more was refused before that)
         link.barrier("counted-full")
         link.barrier("one-left")

@@ -9,7 +9,7 @@ layer only adds its base addresses). ``flush`` waits for remote completion; the 
 signal. A progress thread sleeping on the worker's event fd serves the paths that need the target to
 progress (TCP between hosts); it costs no CPU while idle.
 
-Completion path (see kvtransport.sending._Outbound): the link tells the core what has landed without
+Completion path (see kvtransport.sending.Outbound): the link tells the core what has landed without
 waiting (it declares ``CompletionMarks``: ``mark``/``landed``), so a signal whose puts landed leaves from
 the caller's thread; small host puts land before ``put`` returns (INLINE_PUT_BYTES); ``flush_and_send``
 (it declares ``FlushAndSend``) waits in C without the GIL — UCX progress for host memory (returning at
