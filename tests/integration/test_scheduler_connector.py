@@ -1116,3 +1116,146 @@ def test_each_data_parallel_engine_gets_its_own_side_channel_port(tiny_model: st
     pc.data_parallel_size, pc.data_parallel_rank, pc.data_parallel_size_local = 4, 3, 2
     assert dp_route(cfg, "e_dp3") == (1, 2)  # MoE: rank 3 is the second of its node's two engines
     assert per_dp_engine(boot, cfg, "e_dp3").bootstrap_port == 8998
+
+
+# ---------------------------------------------------------------- the decode's own bookkeeping, exactly (issue 32)
+def _forgot(c: Any, rid: str) -> list[str]:
+    """What the decode role still holds for ``rid`` (each name an entry a leak would keep)."""
+    held = {"recvs": c.recvs, "wanted": c.wanted, "arrived": c.arrived, "doomed": c.doomed,
+            "first_waits": c.first_waits, "consumed": c.consumed, "_recv_start": c._recv_start}
+    return [name for name, d in held.items() if rid in d]
+
+
+def test_an_aborted_receive_is_cancelled_once_at_its_prefill_and_forgotten(pair) -> None:
+    """A decode request aborted while its KV is on the way: exactly one cancel naming it goes to its prefill, its
+    workers are told to abort it, and the decode role keeps nothing of it (a kept ``wanted`` entry would renew
+    the prefill's lease for ever)."""
+    pr = pair()
+    c = pr.dc.decode
+    _, dparams = pr.push_params("ab1")
+    dreq = make_request(list(range(10, 50)), params=dparams)
+    _decode_admit(pr, dreq)
+    rid, addr = dreq.request_id, (pr.pc.host, pr.pc.port)
+    assert _forgot(c, rid) == ["recvs", "wanted", "consumed"] and not c._outgoing.get(addr)
+    pr.d.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+    assert dict(c._outgoing) == {addr: [{"type": "cancel", "xfer": "ab1", "seqs": [rid], "count": 0}]}
+    assert c._recv_abort == [rid] and _forgot(c, rid) == []
+    so = pr.d.schedule()
+    assert plan_of(so).recv_abort == [rid] and not c._outgoing.get(addr)
+
+
+@pytest.mark.parametrize("flow", ["push", "pull"])
+def test_a_request_aborted_before_its_blocks_were_allocated_releases_its_prefill(pair, flow: str) -> None:
+    """Never allocated: the prefill is told not to wait for (push) or hold (pull) one destination, in the flow's
+    mode, after the lease the request took on arrival; nothing of it stays."""
+    pr = pair()
+    c = pr.dc.decode
+    _, dparams = pr.push_params("nb1")
+    if flow == "pull":
+        del dparams["kvt_xfer"]
+        dparams["remote_request_id"] = "nb1"
+    dreq = make_request(list(range(10, 50)), params=dparams)
+    pr.d.add_request(dreq)
+    rid, addr = dreq.request_id, (pr.pc.host, pr.pc.port)
+    pr.d.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+    assert dict(c._outgoing) == {addr: [{"type": "renew", "xfers": ["nb1"]},
+                                        {"type": "cancel", "xfer": "nb1", "seqs": [], "count": 1, "mode": flow}]}
+    assert _forgot(c, rid) == [] and c._recv_abort == []
+
+
+def test_a_finished_request_of_another_role_sends_nothing(pair) -> None:
+    """A prefill-role request (its transfer named, no side channel to a prefill) finishing in a decode role (a
+    ``kv_both`` engine sees both) is not the decode's: no message, to no address."""
+    pr = pair()
+    c = pr.dc.decode
+    pparams, _ = pr.push_params("pr1")
+    c.request_finished(make_request(list(range(10, 50)), params=pparams))
+    assert dict(c._outgoing) == {}
+
+
+def test_a_late_destination_of_an_aborted_request_is_dropped_and_the_others_kept(pair) -> None:
+    """Test-only ``debug_dst_delay`` holds destinations back; an abort drops the aborted request's only."""
+    pr = pair(d_extra={"debug_dst_delay": 30})
+    c = pr.dc.decode
+    reqs = []
+    for tag in ("late1", "late2"):
+        _, dparams = pr.push_params(tag)
+        dparams["kvt_debug_late"] = True
+        reqs.append(make_request(list(range(10, 50)), params=dparams))
+        _decode_admit(pr, reqs[-1])
+    assert [x[2]["dsts"][0]["seq"] for x in c._late] == [r.request_id for r in reqs]
+    pr.d.finish_requests(reqs[0].request_id, RequestStatus.FINISHED_ABORTED)
+    assert [x[2]["dsts"][0]["seq"] for x in c._late] == [reqs[1].request_id]
+
+
+def test_the_first_token_goes_to_the_waiting_requests_of_its_transfer_and_prefill_only(pair, tmp_path) -> None:
+    """``_first_token_arrived``: of the requests waiting for a first token, those of that transfer and that
+    prefill, not applied yet, still waiting (not scheduled, no output, the prompt as it came) get it appended;
+    the others are left as they are, wherever they stand in the list. Each applied one is counted once, handed
+    to the API server's emitter unless it asked for logprobs, and traced."""
+    from kvtransport_vllm.compat import first_token_emitter
+    from kvtransport_vllm.consumer import _FirstWait
+
+    pr = pair()
+    c = pr.dc.decode
+    addr, prompt = ("127.0.0.1", 1), list(range(10, 50))
+
+    def wait(xfer: str, at: tuple[str, int], *, status: Any = RequestStatus.WAITING_FOR_REMOTE_KVS,
+             output: bool = False, logprobs: int | None = None, applied: bool = False, plen: int = 40) -> Any:
+        req = make_request(prompt)
+        req.status = status
+        if output:
+            req.append_output_token_ids(5)
+        req.sampling_params.logprobs = logprobs
+        c.first_waits[req.request_id] = _FirstWait(req, xfer, at, plen, applied)
+        return req
+
+    skipped = [wait("y", addr), wait("x", ("127.0.0.1", 2)), wait("x", addr, applied=True),
+               wait("x", addr, status=RequestStatus.RUNNING), wait("x", addr, output=True),
+               wait("x", addr, plen=39)]
+    taken = [wait("x", addr, status=RequestStatus.WAITING), wait("x", addr), wait("x", addr, logprobs=2)]
+    before = c.counters["first_tokens_received"]
+    trace.configure(str(tmp_path / "trace"), "decode-scheduler")
+    try:
+        c._first_token_arrived(addr, "x", 77)
+    finally:
+        trace.configure(None, "")
+    try:
+        assert [list(r.prompt_token_ids) for r in taken] == [[*prompt, 77]] * 3
+        assert [r.num_prompt_tokens for r in taken] == [41] * 3
+        assert [list(r.prompt_token_ids) for r in skipped] == [prompt] * 6
+        assert [c.first_waits[r.request_id].applied for r in skipped + taken] == [False, False, True, False, False,
+                                                                                  False, True, True, True]
+        assert c.counters["first_tokens_received"] == before + 3
+        assert c._first_ready == {r.request_id for r in taken}
+        assert {r: first_token_emitter.pending.get(r.request_id) for r in skipped + taken} == {
+            **{r: None for r in skipped}, taken[0]: 77, taken[1]: 77, taken[2]: None}
+        rows = [(r["ev"], r["key"], r.get("seq")) for r in trace.load(tmp_path / "trace")]
+        assert rows == [("d.first", "x", r.request_id) for r in taken]
+    finally:
+        for r in skipped + taken:
+            first_token_emitter.discard(r.request_id)
+
+
+def test_a_prompt_token_appended_to_a_mixed_prompt_is_marked_a_token() -> None:
+    """vLLM 0.32+ marks each prompt position a token id or an embedding (``prompt_is_token_ids``): the first
+    token appended is a token id."""
+    from kvtransport_vllm.consumer import append_prompt_token
+
+    req = make_request(list(range(10, 50)))
+    req.prompt_is_token_ids = [True] * 39 + [False]
+    append_prompt_token(req, 77)
+    assert req.prompt_is_token_ids == [True] * 39 + [False, True]
+    assert list(req.prompt_token_ids)[-1] == 77 and req.num_prompt_tokens == 41
+    plain = make_request(list(range(10, 50)))
+    append_prompt_token(plain, 77)
+    assert plain.prompt_is_token_ids is None
+
+
+def test_tracing_the_first_schedule_takes_an_output_without_new_requests(pair) -> None:
+    from types import SimpleNamespace
+
+    pr = pair()
+    pr.dc.decode._reported["r"] = None
+    pr.dc.decode.trace_scheduled(SimpleNamespace())  # (an output object of another shape: nothing scheduled)
+    assert list(pr.dc.decode._reported) == ["r"]
