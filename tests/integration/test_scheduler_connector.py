@@ -1259,3 +1259,49 @@ def test_tracing_the_first_schedule_takes_an_output_without_new_requests(pair) -
     pr.dc.decode._reported["r"] = None
     pr.dc.decode.trace_scheduled(SimpleNamespace())  # (an output object of another shape: nothing scheduled)
     assert list(pr.dc.decode._reported) == ["r"]
+
+
+def test_landed_receives_are_forgotten_and_traced_within_a_bound(pair, tmp_path, monkeypatch) -> None:
+    """The workers' report of landed receives: those requests leave the decode's receive, lease and first-token
+    books (the others stay); traced, the newest TRACED_REPORTED wait for their first schedule, the oldest go."""
+    from kvtransport_vllm import consumer as consumer_mod
+    from kvtransport_vllm.consumer import _FirstWait, _Recv
+
+    monkeypatch.setattr(consumer_mod, "TRACED_REPORTED", 2)
+    c = pair().dc.decode
+    addr = ("127.0.0.1", 1)
+    for rid in ("a", "b", "c", "keep"):
+        c.recvs[rid] = _Recv(rid, "x", addr, 0.0)
+        c.wanted[rid] = ("x", addr)
+        c.first_waits[rid] = _FirstWait(None, "x", addr, 40)
+    trace.configure(str(tmp_path / "trace"), "decode-scheduler")
+    try:
+        c.landed({"a"})
+        c.landed({"b"})
+        c.landed({"c"})
+    finally:
+        trace.configure(None, "")
+    assert (list(c.recvs), list(c.wanted), list(c.first_waits)) == (["keep"], ["keep"], ["keep"])
+    assert list(c._reported) == ["b", "c"]
+
+
+def test_a_prefills_worker_links_go_with_it_and_no_other(pair) -> None:
+    """A prefill that went away takes its workers' destination channels (closed, forgotten, their retry
+    timers too) with it; another prefill's stay."""
+    c = pair().dc.decode
+
+    class Link:
+        closed = 0
+
+        def close(self) -> None:
+            self.closed += 1
+
+    gone, stays = ("10.0.0.1", 5), ("10.0.0.2", 6)
+    links = {(*gone, 0): Link(), (*gone, 1): Link(), (*stays, 0): Link()}
+    c.worker_at = {gone: {0: ("10.0.0.1", 7)}, stays: {0: ("10.0.0.2", 8)}}
+    c.worker_links = dict(links)
+    c._link_retry = {(*gone, 0): 1.0, (*stays, 0): 2.0}  # rank 1 of the gone prefill has no retry timer
+    c._drop_worker_links(gone)
+    assert list(c.worker_at) == [stays] and list(c.worker_links) == [(*stays, 0)]
+    assert [link.closed for link in links.values()] == [1, 1, 0]
+    assert c._link_retry == {(*stays, 0): 2.0}
