@@ -1305,3 +1305,227 @@ def test_a_prefills_worker_links_go_with_it_and_no_other(pair) -> None:
     assert list(c.worker_at) == [stays] and list(c.worker_links) == [(*stays, 0)]
     assert [link.closed for link in links.values()] == [1, 1, 0]
     assert c._link_retry == {(*stays, 0): 2.0}
+
+
+class _Blocks:
+    """vLLM's KVCacheBlocks as ``new_blocks`` reads it: every group's ids, and the unhashed (new) ones."""
+
+    def __init__(self, groups: list[list[int]], unhashed: list[list[int]]) -> None:
+        self.groups, self.unhashed = groups, unhashed
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple(self.groups)
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        return list(self.unhashed[0])
+
+    def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
+        return self.unhashed
+
+
+def _decode_role(pair, tag: str, *, flow: str = "push", late: bool = False, **d_extra: Any) -> tuple[Any, Any, Any]:
+    """(the decode role, a decode request of transfer ``tag``, its prefill's address); nothing queued yet."""
+    pr = pair(d_extra=d_extra or None)
+    _, dparams = pr.push_params(tag)
+    if flow == "pull":
+        del dparams["kvt_xfer"]
+        dparams["remote_request_id"] = tag
+    if late:
+        dparams["kvt_debug_late"] = True
+    return pr.dc.decode, make_request(list(range(10, 74)), params=dparams), (pr.pc.host, pr.pc.port)
+
+
+@pytest.mark.parametrize("flow, groups, unhashed, dst_groups", [
+    ("push", [[3, 4, 5, 6]], [[5, 6]], None),
+    ("pull", [[3, 4, 5, 6]], [[5, 6]], None),
+    ("push", [[3, 4, 5, 6], [0, 0, 7, 8]], [[5, 6], [7, 8]], [[7, 8]]),  # hybrid: the sliding window's too
+])
+def test_an_allocation_queues_its_destination_and_plans_its_workers_exactly(pair, tmp_path, flow: str,
+                                                                            groups: Any, unhashed: Any,
+                                                                            dst_groups: Any) -> None:
+    """The blocks vLLM just allocated (the new ones: past the prefix it found) go to the prefill in one ``dst``
+    message in the flow's mode; the workers' plan gets the receive's timeout, blocks and senders; traced."""
+    c, req, addr = _decode_role(pair, "al1", flow=flow)
+    rid = req.request_id
+    c.prefill_senders[addr] = {0: "inst0"}
+    trace.configure(str(tmp_path / "trace"), "decode-scheduler")
+    try:
+        c.update_state_after_alloc(req, _Blocks(groups, unhashed), 32)  # (no on_new_request: nothing assumed)
+    finally:
+        trace.configure(None, "")
+    dst: dict[str, Any] = {"seq": rid, "blocks": [5, 6], "offset": 2}
+    if dst_groups:
+        dst["groups"] = dst_groups
+    assert dict(c._outgoing) == {addr: [{"type": "dst", "xfer": "al1", "mode": flow, "dsts": [dst]}]}
+    rec = c.recvs[rid]
+    assert (rec.req_id, rec.xfer, rec.addr, type(rec.started)) == (rid, "al1", addr, float)
+    assert (c._recv_start, c._recv_blocks, c._recv_from) == ({rid: c.settings.transfer_timeout}, {rid: [5, 6]},
+                                                             {rid: {0: "inst0"}})
+    assert rid in c.consumed and c._late == [] and c._recv_fail == {}
+    assert [(r["ev"], r["key"], r.get("seq")) for r in trace.load(tmp_path / "trace")] == [("d.alloc", "al1", rid)]
+    c._outgoing.clear()
+    c.update_state_after_alloc(req, _Blocks(groups, unhashed), 32)  # once consumed, a second call does nothing
+    assert dict(c._outgoing) == {}
+
+
+@pytest.mark.parametrize("external", [0, 1])
+def test_a_request_found_locally_tells_its_prefill_not_to_wait(pair, external: int) -> None:
+    """No token to receive: one ``cancel`` (count 1), no receive. One token to receive is a receive."""
+    c, req, addr = _decode_role(pair, "loc1")
+    c.update_state_after_alloc(req, _Blocks([[3, 4, 5, 6]], [[6]] if external else [[]]), external)
+    if external:
+        assert [m["type"] for m in c._outgoing[addr]] == ["dst"] and req.request_id in c.recvs
+    else:
+        assert dict(c._outgoing) == {addr: [{"type": "cancel", "xfer": "loc1", "seqs": [], "count": 1,
+                                             "mode": "push"}]}
+        assert req.request_id not in c.recvs and req.request_id in c.consumed
+
+
+def test_a_doomed_request_is_allocated_only_to_fail(pair) -> None:
+    """Its KV cannot come: the prefill is told not to wait, the workers fail the receive with the reason, the
+    lease is dropped, and no destination goes out."""
+    from kvtransport_vllm.metadata import Failure, FailureKind
+
+    c, req, addr = _decode_role(pair, "doom1")
+    c.on_new_request(req)
+    c._outgoing.clear()
+    why = Failure(FailureKind.ADMISSION_TIMEOUT, "for the test")
+    c.doomed[req.request_id] = why
+    c.update_state_after_alloc(req, _Blocks([[3, 4, 5, 6]], [[5, 6]]), 32)
+    assert dict(c._outgoing) == {addr: [{"type": "cancel", "xfer": "doom1", "seqs": [], "count": 1,
+                                         "mode": "push"}]}
+    assert c._recv_fail == {req.request_id: why} and req.request_id in c.recvs
+    assert req.request_id not in c.wanted and req.request_id not in c.doomed
+
+
+@pytest.mark.parametrize("delay, late, held", [(0.0, True, False), (0.5, True, True), (0.5, False, False)])
+def test_only_a_flagged_request_under_a_dst_delay_is_held_back(pair, delay: float, late: bool, held: bool) -> None:
+    """Test-only ``debug_dst_delay`` holds back the destination of a request flagged ``kvt_debug_late``, until
+    ``delay`` from now; any other goes at once."""
+    c, req, addr = _decode_role(pair, "dl1", late=late, debug_dst_delay=delay)
+    t0 = time.monotonic()
+    c.update_state_after_alloc(req, _Blocks([[3, 4, 5, 6]], [[5, 6]]), 32)
+    assert [m["type"] for m in c._outgoing.get(addr, [])] == ([] if held else ["dst"])
+    assert len(c._late) == held
+    if held:
+        due, at, msg = c._late[0]
+        assert t0 + delay <= due <= time.monotonic() + delay and at == addr and msg["dsts"][0]["seq"] == req.request_id
+
+
+def test_matched_tokens_claim_the_prompt_once_admitted_and_wait_for_a_first_token(pair) -> None:
+    """``get_num_new_matched_tokens``: the remote KV covers the prompt as the client sent it (a first-token
+    request's is one token shorter than its prompt once #1 is appended); a request that continues from its
+    prefill's first token waits for it even when its prompt was found locally, unless doomed."""
+    from kvtransport_vllm.consumer import _FirstWait
+    from kvtransport_vllm.metadata import Failure, FailureKind
+
+    c, req, addr = _decode_role(pair, "mt1")
+    rid = req.request_id
+    assert c.get_num_new_matched_tokens(req, 0) == (64, True)
+    assert c.get_num_new_matched_tokens(req, 63) == (1, True)
+    assert c.get_num_new_matched_tokens(req, 64) == (0, False)
+    first = c.first_waits[rid] = _FirstWait(req, "mt1", addr, 63)  # #1 appended: the client's prompt was 63
+    assert c.get_num_new_matched_tokens(req, 0) == (63, True)
+    assert c.get_num_new_matched_tokens(req, 63) == (None, False)  # found locally: wait for the first token
+    c.doomed[rid] = Failure(FailureKind.ADMISSION_TIMEOUT, "x")
+    assert c.get_num_new_matched_tokens(req, 63) == (0, False)
+    del c.doomed[rid]
+    first.applied = True
+    assert c.get_num_new_matched_tokens(req, 63) == (0, False)
+    c.consumed.add(rid)
+    assert c.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_matched_tokens_of_an_unadmitted_or_held_request_are_none(pair) -> None:
+    c, req, _ = _decode_role(pair, "mt2", admit_below=0)  # a full cache: only a ready prefill admits it
+    c.on_new_request(req)
+    assert c.get_num_new_matched_tokens(req, 0) == (None, False)
+    c.ready_xfers["mt2"] = time.monotonic()
+    assert c.get_num_new_matched_tokens(req, 0) == (64, True)
+    c2, held, _ = _decode_role(pair, "mt3", debug_hold=True)
+    held.kv_transfer_params["kvt_debug_hold"] = True
+    assert c2.get_num_new_matched_tokens(held, 0) == (None, False)
+
+
+def test_admission_waits_for_the_prefill_then_dooms_on_a_dead_channel_or_past_the_timeout(pair, monkeypatch) -> None:
+    """``_admit_now`` with a full cache: admitted once the prefill says it is ready (even if that news comes
+    while the side channel is drained), doomed with its kind and reason when the prefill's channel is dead or the
+    transfer timeout passed (not at it)."""
+    from types import SimpleNamespace
+
+    from kvtransport_vllm import consumer as consumer_mod
+    from kvtransport_vllm.metadata import Failure, FailureKind, parse_transfer_params
+
+    c, req, addr = _decode_role(pair, "ad1", admit_below=0)
+    rid, params = req.request_id, parse_transfer_params(req.kv_transfer_params)
+    now = [1000.0]
+    monkeypatch.setattr(consumer_mod.time, "monotonic", lambda: now[0])
+    c.arrived[rid] = now[0] - c.settings.transfer_timeout  # at the timeout, not past it
+    assert c._admit_now(rid, params) is False and rid not in c.doomed
+    monkeypatch.setattr(c.side, "_drain_inbox", lambda t: c.ready_xfers.setdefault("ad1", t))
+    assert c._admit_now(rid, params) is True and c.ready_xfers["ad1"] == 1000.0
+    del c.ready_xfers["ad1"]
+    monkeypatch.setattr(c.side, "_drain_inbox", lambda t: None)
+    now[0] += 0.001  # past the timeout
+    assert c._admit_now(rid, params) is True
+    assert c.doomed.pop(rid) == Failure(
+        FailureKind.ADMISSION_TIMEOUT, f"the prefill did not start transfer ad1 within {c.settings.transfer_timeout:g}s "
+        "(admit_below: this decode waited for its go-ahead)")
+    c.clients[addr] = SimpleNamespace(dead=True, error="reset by peer")
+    assert c._admit_now(rid, params) is True
+    assert c.doomed.pop(rid) == Failure(FailureKind.SIDE_CHANNEL_UNUSABLE,
+                                        "prefill side channel unusable: reset by peer")
+    del c.arrived[rid], c.clients[addr]  # never seen arriving: not timed out
+    assert c._admit_now(rid, params) is False and rid not in c.doomed
+
+
+def test_the_cache_usage_read_for_admission(pair) -> None:
+    from types import SimpleNamespace
+
+    c = pair().dc.decode
+    c.side.block_pool = None
+    assert c._kv_usage() == 0.0
+    c.side.block_pool = SimpleNamespace(get_usage=lambda: 0.75)
+    assert c._kv_usage() == 0.75
+    c.side.block_pool = SimpleNamespace()  # no get_usage: treated as empty
+    assert c._kv_usage() == 0.0
+
+
+def test_worker_links_open_once_and_reopen_a_dead_one_only_after_the_retry_time(pair, monkeypatch) -> None:
+    """Links to a prefill's workers' destination channels: opened on first use with the decode's secret (``worker``
+    links), kept; a dead one is reopened no sooner than WORKER_LINK_RETRY_S after the last try, and meanwhile the
+    other ranks' links are still used."""
+    import dataclasses
+
+    from kvtransport_vllm import consumer as consumer_mod
+
+    made: list[Any] = []
+
+    class FakeLink:
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            self.args, self.kw, self.dead = args, kw, False
+            made.append(self)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(consumer_mod, "PeerClient", FakeLink)
+    now = [0.5]
+    monkeypatch.setattr(consumer_mod.time, "monotonic", lambda: now[0])
+    c = pair().dc.decode
+    c.settings = dataclasses.replace(c.settings, secret=b"s" * 32)
+    addr = ("10.0.0.1", 5)
+    c.worker_at[addr] = {0: ("10.0.0.1", 7), 1: ("10.0.0.1", 8)}
+    first = c._worker_links(addr)
+    assert first == made and [(m.args[:2], m.kw) for m in made] == [
+        (("10.0.0.1", 7), {"secret": b"s" * 32, "worker": True}), (("10.0.0.1", 8), {"secret": b"s" * 32, "worker": True})]
+    assert made[0].args[2:] == (c.side.hello, c.side.compat, c.side.inbox, c.settings.connect_timeout)
+    retry = 0.5 + consumer_mod.WORKER_LINK_RETRY_S
+    assert c._link_retry == {("10.0.0.1", 5, 0): retry, ("10.0.0.1", 5, 1): retry}
+    assert c._worker_links(addr) == first and len(made) == 2  # kept
+    made[0].dead = True
+    now[0] = retry - 0.001
+    assert c._worker_links(addr) == [made[1]] and len(made) == 2  # rank 0 waits, rank 1 still used
+    now[0] = retry
+    assert c._worker_links(addr) == [made[2], made[1]] and made[2].args[:2] == ("10.0.0.1", 7)
+    assert c._link_retry[("10.0.0.1", 5, 0)] == retry + consumer_mod.WORKER_LINK_RETRY_S
