@@ -1529,3 +1529,64 @@ def test_worker_links_open_once_and_reopen_a_dead_one_only_after_the_retry_time(
     now[0] = retry
     assert c._worker_links(addr) == [made[2], made[1]] and made[2].args[:2] == ("10.0.0.1", 7)
     assert c._link_retry[("10.0.0.1", 5, 0)] == retry + consumer_mod.WORKER_LINK_RETRY_S
+
+
+def test_a_lost_prefill_fails_its_receives_dooms_its_unallocated_requests_and_drops_its_links(pair) -> None:
+    """``lost``: that prefill's receives fail (PREFILL_LOST, with the reason; an earlier failure stays), its
+    requests not allocated yet are doomed, its workers and their links are forgotten; another prefill's stay."""
+    from kvtransport_vllm.consumer import _Recv
+    from kvtransport_vllm.metadata import Failure, FailureKind
+
+    c = pair().dc.decode
+    a, b = ("10.0.0.1", 5), ("10.0.0.2", 6)
+    refused = Failure(FailureKind.REFUSED, "earlier")
+    c.recvs.update({"r1": _Recv("r1", "x1", a, 0.0), "r2": _Recv("r2", "x2", a, 0.0), "r3": _Recv("r3", "x3", b, 0.0)})
+    c._recv_fail["r2"] = refused
+    c.wanted.update({"r1": ("x1", a), "r3": ("x3", b), "w4": ("x4", a), "w5": ("x5", a), "w6": ("x6", b)})
+    c.consumed.add("w5")  # allocated already (found locally): not doomed
+    c.prefill_senders.update({a: {0: "pa"}, b: {0: "pb"}})
+    c.worker_at.update({a: {0: ("10.0.0.1", 7)}, b: {0: ("10.0.0.2", 8)}})
+    c.on_event(("lost", list(a), "reset"), time.monotonic())
+    lost = Failure(FailureKind.PREFILL_LOST, "prefill lost: reset")
+    assert c._recv_fail == {"r2": refused, "r1": lost}
+    assert sorted(c.wanted) == ["r3", "w4", "w5", "w6"] and c.doomed == {"w4": lost}
+    assert c.prefill_senders == {b: {0: "pb"}} and list(c.worker_at) == [b]
+
+
+def test_a_refused_transfer_fails_only_a_receive_in_progress(pair) -> None:
+    from kvtransport_vllm.consumer import _Recv
+    from kvtransport_vllm.metadata import Failure, FailureKind
+
+    c = pair().dc.decode
+    c.recvs["r1"] = _Recv("r1", "x1", ("h", 1), 0.0)
+    c.wanted.update({"r1": ("x1", ("h", 1)), "w2": ("x2", ("h", 1))})
+    c.on_event(("fail", "r1", "no room"), time.monotonic())
+    c.on_event(("fail", "w2", "no room"), time.monotonic())  # not receiving: nothing to fail
+    assert c._recv_fail == {"r1": Failure(FailureKind.REFUSED, "no room")} and list(c.wanted) == ["w2"]
+
+
+@pytest.mark.parametrize("groups, unhashed, expect", [
+    ([[3, 4, 5, 6]], [[5, 6]], (2, [5, 6], [])),
+    ([[3, 4, 5, 6]], [[]], (4, [], [])),
+    ([[3, 4, 5, 6], [0, 0, 7, 8]], [[5, 6], [7, 8]], (2, [5, 6], [[7, 8]])),
+    ([[3, 4, 5, 6], [0, 0, 0, 8], [0, 9, 10, 11]], [[5, 6], [8], [10, 11]], (2, [5, 6], [[0, 8], [10, 11]])),
+])
+def test_new_blocks_are_the_trailing_ones_of_every_group(groups: Any, unhashed: Any, expect: Any) -> None:
+    """A hybrid model's groups cover the same token blocks; the new ones are the most any group has unhashed (a
+    sliding window's skipped blocks are the null block, not in its unhashed list), aligned in every group."""
+    from kvtransport_vllm.consumer import new_blocks
+
+    assert new_blocks(_Blocks(groups, unhashed)) == expect
+
+
+def test_a_request_awaits_its_first_token_only_while_allocated_and_not_applied(pair) -> None:
+    from kvtransport_vllm.consumer import _FirstWait, _Recv
+
+    c = pair().dc.decode
+    req = make_request(list(range(10, 50)))
+    first = c.first_waits[req.request_id] = _FirstWait(req, "x", ("h", 1), 40)
+    assert c.awaits_first_token() is False  # not allocated yet
+    c.recvs[req.request_id] = _Recv(req.request_id, "x", ("h", 1), 0.0)
+    assert c.awaits_first_token() is True
+    first.applied = True
+    assert c.awaits_first_token() is False
