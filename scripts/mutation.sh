@@ -75,9 +75,10 @@ lines += ["", "[tool.mutmut]",
           '"tests/integration/test_dst_channel.py", "tests/integration/test_sidechannel_auth.py", '
           '"tests/integration/test_sidechannel_bounds.py", "tests/integration/test_sidechannel_retry.py"]',
           "do_not_mutate_patterns = ['\\blog\\.(debug|info|warning|error|exception)\\(', '^\\s*raise \\w+(\\.\\w+)?\\(']",
-          # a mutant that spins is stopped after 10x its tests' measured CPU time (mutmut's default, 30x, cost
-          # 2-3 minutes per such mutant), one that waits by pytest-timeout: both count as detected
-          'timeout_multiplier = 5.0',
+          # a mutant that spins is stopped after 6x (its tests' measured time + 10 s of set-up: threads, torch)
+          # of CPU time (mutmut's default, 30x (time + 1 s), cost 2-3 minutes per such mutant); one that waits,
+          # by pytest-timeout: both count as detected
+          'timeout_multiplier = 3.0', 'timeout_constant = 10.0',
           'pytest_add_cli_args = ["-p", "no:cacheprovider", "-x", "-q", "--timeout=30"]']
 open(sys.argv[1], "w").write("\n".join(lines) + "\n")
 PY

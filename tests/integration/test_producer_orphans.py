@@ -251,3 +251,53 @@ def test_flooding_engine_ids_cannot_keep_a_real_decodes_early_destination_out(ti
     finally:
         p.shutdown()
         d.shutdown()
+
+
+# ------------------------------------------------------------------ the budgets' books, exactly (issue 32)
+def _books(s: SchedulerSide) -> dict[str, Any]:
+    p = s.prefill  # type: ignore[union-attr]
+    return {"total": p.orphan_total, "engines": {x: sorted(e) for x, e in p._orphan_engines.items()},
+            "shares": {e: (sh.cost, dict(sh.held), dict(sh.per_xfer), dict(sh.cancels)) for e, sh in p._shares.items()}}
+
+
+def test_holding_and_releasing_early_destinations_keeps_every_book_exact(side) -> None:
+    """Early destinations and cancels of two engines for two transfers, held, then released one by one (a
+    cancel, a transfer's arrival): each engine's cost, entries, per-transfer count and cancel count, the total,
+    and which engines hold what of a transfer, exactly, down to nothing."""
+    from kvtransport_vllm.producer import _Dst
+
+    p = side.prefill
+    now = time.monotonic()
+    a1, a2 = _Dst("A", "a1", [1, 2, 3], 0), _Dst("A", "a2", [4], 0, [[5]])
+    b1 = _Dst("B", "b1", [6, 7], 0)
+    assert p._hold("A", "x", a1, now) is None and p._hold("A", "x", a2, now) is None
+    assert p._hold("B", "x", b1, now) is None and p._hold("A", "x", a1, now) is None  # a repeat: held once
+    p._hold_cancels("A", "x", 2, now)
+    p._hold_cancels("B", "y", 1, now)
+    assert _books(side) == {
+        "total": 3 * ENTRY + 3 + 2 + 2 + 2 * ENTRY,
+        "engines": {"x": ["A", "B"], "y": ["B"]},
+        "shares": {"A": (2 * ENTRY + 3 + 2 + ENTRY, {("x", "a1"): ENTRY + 3, ("x", "a2"): ENTRY + 2,
+                                                    ("x", None): ENTRY}, {"x": 2}, {"x": 2}),
+                   "B": (ENTRY + 2 + ENTRY, {("x", "b1"): ENTRY + 2, ("y", None): ENTRY}, {"x": 1}, {"y": 1})}}
+    assert side.orphans["x"][1:] == ([a1, a2, b1], 2) and side.orphans["y"][1:] == ([], 1)
+    p._unhold("A", "x", "a2")  # A cancels one of its destinations: x still has A's other one and its cancels
+    assert _books(side)["shares"]["A"] == (ENTRY + 3 + ENTRY, {("x", "a1"): ENTRY + 3, ("x", None): ENTRY},
+                                           {"x": 1}, {"x": 2})
+    assert _books(side)["engines"] == {"x": ["A", "B"], "y": ["B"]} and side.orphans["x"][1:] == ([a1, b1], 2)
+    p._unhold("B", "y", None)  # B's cancel count for y goes: y is empty, B still holds x
+    assert "y" not in side.orphans and _books(side)["engines"] == {"x": ["A", "B"]}
+    assert _books(side)["shares"]["B"] == (ENTRY + 2, {("x", "b1"): ENTRY + 2}, {"x": 1}, {})
+    assert p._pop_orphan("x")[1:] == ([a1, b1], 2)  # the prefill request arrived: every book of x goes
+    assert _books(side) == {"total": 0, "engines": {}, "shares": {}}
+
+
+def test_releasing_what_is_not_held_changes_nothing(side) -> None:
+    from kvtransport_vllm.producer import _Dst
+
+    p = side.prefill
+    assert p._hold("A", "x", _Dst("A", "a1", [1], 0), time.monotonic()) is None
+    before = _books(side)
+    assert p._release("A", ("x", "nope")) == 0 and p._release("C", ("x", "a1")) == 0
+    assert p._release("A", ("z", None)) == 0
+    assert _books(side) == before

@@ -1116,3 +1116,477 @@ def test_each_data_parallel_engine_gets_its_own_side_channel_port(tiny_model: st
     pc.data_parallel_size, pc.data_parallel_rank, pc.data_parallel_size_local = 4, 3, 2
     assert dp_route(cfg, "e_dp3") == (1, 2)  # MoE: rank 3 is the second of its node's two engines
     assert per_dp_engine(boot, cfg, "e_dp3").bootstrap_port == 8998
+
+
+# ---------------------------------------------------------------- the decode's own bookkeeping, exactly (issue 32)
+def _forgot(c: Any, rid: str) -> list[str]:
+    """What the decode role still holds for ``rid`` (each name an entry a leak would keep)."""
+    held = {"recvs": c.recvs, "wanted": c.wanted, "arrived": c.arrived, "doomed": c.doomed,
+            "first_waits": c.first_waits, "consumed": c.consumed, "_recv_start": c._recv_start}
+    return [name for name, d in held.items() if rid in d]
+
+
+def test_an_aborted_receive_is_cancelled_once_at_its_prefill_and_forgotten(pair) -> None:
+    """A decode request aborted while its KV is on the way: exactly one cancel naming it goes to its prefill, its
+    workers are told to abort it, and the decode role keeps nothing of it (a kept ``wanted`` entry would renew
+    the prefill's lease for ever)."""
+    pr = pair()
+    c = pr.dc.decode
+    _, dparams = pr.push_params("ab1")
+    dreq = make_request(list(range(10, 50)), params=dparams)
+    _decode_admit(pr, dreq)
+    rid, addr = dreq.request_id, (pr.pc.host, pr.pc.port)
+    assert _forgot(c, rid) == ["recvs", "wanted", "consumed"] and not c._outgoing.get(addr)
+    pr.d.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+    assert dict(c._outgoing) == {addr: [{"type": "cancel", "xfer": "ab1", "seqs": [rid], "count": 0}]}
+    assert c._recv_abort == [rid] and _forgot(c, rid) == []
+    so = pr.d.schedule()
+    assert plan_of(so).recv_abort == [rid] and not c._outgoing.get(addr)
+
+
+@pytest.mark.parametrize("flow", ["push", "pull"])
+def test_a_request_aborted_before_its_blocks_were_allocated_releases_its_prefill(pair, flow: str) -> None:
+    """Never allocated: the prefill is told not to wait for (push) or hold (pull) one destination, in the flow's
+    mode, after the lease the request took on arrival; nothing of it stays."""
+    pr = pair()
+    c = pr.dc.decode
+    _, dparams = pr.push_params("nb1")
+    if flow == "pull":
+        del dparams["kvt_xfer"]
+        dparams["remote_request_id"] = "nb1"
+    dreq = make_request(list(range(10, 50)), params=dparams)
+    pr.d.add_request(dreq)
+    rid, addr = dreq.request_id, (pr.pc.host, pr.pc.port)
+    pr.d.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+    assert dict(c._outgoing) == {addr: [{"type": "renew", "xfers": ["nb1"]},
+                                        {"type": "cancel", "xfer": "nb1", "seqs": [], "count": 1, "mode": flow}]}
+    assert _forgot(c, rid) == [] and c._recv_abort == []
+
+
+def test_a_finished_request_of_another_role_sends_nothing(pair) -> None:
+    """A prefill-role request (its transfer named, no side channel to a prefill) finishing in a decode role (a
+    ``kv_both`` engine sees both) is not the decode's: no message, to no address."""
+    pr = pair()
+    c = pr.dc.decode
+    pparams, _ = pr.push_params("pr1")
+    c.request_finished(make_request(list(range(10, 50)), params=pparams))
+    assert dict(c._outgoing) == {}
+
+
+def test_a_late_destination_of_an_aborted_request_is_dropped_and_the_others_kept(pair) -> None:
+    """Test-only ``debug_dst_delay`` holds destinations back; an abort drops the aborted request's only."""
+    pr = pair(d_extra={"debug_dst_delay": 30})
+    c = pr.dc.decode
+    reqs = []
+    for tag in ("late1", "late2"):
+        _, dparams = pr.push_params(tag)
+        dparams["kvt_debug_late"] = True
+        reqs.append(make_request(list(range(10, 50)), params=dparams))
+        _decode_admit(pr, reqs[-1])
+    assert [x[2]["dsts"][0]["seq"] for x in c._late] == [r.request_id for r in reqs]
+    pr.d.finish_requests(reqs[0].request_id, RequestStatus.FINISHED_ABORTED)
+    assert [x[2]["dsts"][0]["seq"] for x in c._late] == [reqs[1].request_id]
+
+
+def test_the_first_token_goes_to_the_waiting_requests_of_its_transfer_and_prefill_only(pair, tmp_path) -> None:
+    """``_first_token_arrived``: of the requests waiting for a first token, those of that transfer and that
+    prefill, not applied yet, still waiting (not scheduled, no output, the prompt as it came) get it appended;
+    the others are left as they are, wherever they stand in the list. Each applied one is counted once, handed
+    to the API server's emitter unless it asked for logprobs, and traced."""
+    from kvtransport_vllm.compat import first_token_emitter
+    from kvtransport_vllm.consumer import _FirstWait
+
+    pr = pair()
+    c = pr.dc.decode
+    addr, prompt = ("127.0.0.1", 1), list(range(10, 50))
+
+    def wait(xfer: str, at: tuple[str, int], *, status: Any = RequestStatus.WAITING_FOR_REMOTE_KVS,
+             output: bool = False, logprobs: int | None = None, applied: bool = False, plen: int = 40) -> Any:
+        req = make_request(prompt)
+        req.status = status
+        if output:
+            req.append_output_token_ids(5)
+        req.sampling_params.logprobs = logprobs
+        c.first_waits[req.request_id] = _FirstWait(req, xfer, at, plen, applied)
+        return req
+
+    skipped = [wait("y", addr), wait("x", ("127.0.0.1", 2)), wait("x", addr, applied=True),
+               wait("x", addr, status=RequestStatus.RUNNING), wait("x", addr, output=True),
+               wait("x", addr, plen=39)]
+    taken = [wait("x", addr, status=RequestStatus.WAITING), wait("x", addr), wait("x", addr, logprobs=2)]
+    before = c.counters["first_tokens_received"]
+    trace.configure(str(tmp_path / "trace"), "decode-scheduler")
+    try:
+        c._first_token_arrived(addr, "x", 77)
+    finally:
+        trace.configure(None, "")
+    try:
+        assert [list(r.prompt_token_ids) for r in taken] == [[*prompt, 77]] * 3
+        assert [r.num_prompt_tokens for r in taken] == [41] * 3
+        assert [list(r.prompt_token_ids) for r in skipped] == [prompt] * 6
+        assert [c.first_waits[r.request_id].applied for r in skipped + taken] == [False, False, True, False, False,
+                                                                                  False, True, True, True]
+        assert c.counters["first_tokens_received"] == before + 3
+        assert c._first_ready == {r.request_id for r in taken}
+        assert {r: first_token_emitter.pending.get(r.request_id) for r in skipped + taken} == {
+            **{r: None for r in skipped}, taken[0]: 77, taken[1]: 77, taken[2]: None}
+        rows = [(r["ev"], r["key"], r.get("seq")) for r in trace.load(tmp_path / "trace")]
+        assert rows == [("d.first", "x", r.request_id) for r in taken]
+    finally:
+        for r in skipped + taken:
+            first_token_emitter.discard(r.request_id)
+
+
+def test_a_prompt_token_appended_to_a_mixed_prompt_is_marked_a_token() -> None:
+    """vLLM 0.32+ marks each prompt position a token id or an embedding (``prompt_is_token_ids``): the first
+    token appended is a token id."""
+    from kvtransport_vllm.consumer import append_prompt_token
+
+    req = make_request(list(range(10, 50)))
+    req.prompt_is_token_ids = [True] * 39 + [False]
+    append_prompt_token(req, 77)
+    assert req.prompt_is_token_ids == [True] * 39 + [False, True]
+    assert list(req.prompt_token_ids)[-1] == 77 and req.num_prompt_tokens == 41
+    plain = make_request(list(range(10, 50)))
+    append_prompt_token(plain, 77)
+    assert plain.prompt_is_token_ids is None
+
+
+def test_tracing_the_first_schedule_takes_an_output_without_new_requests(pair) -> None:
+    from types import SimpleNamespace
+
+    pr = pair()
+    pr.dc.decode._reported["r"] = None
+    pr.dc.decode.trace_scheduled(SimpleNamespace())  # (an output object of another shape: nothing scheduled)
+    assert list(pr.dc.decode._reported) == ["r"]
+
+
+def test_landed_receives_are_forgotten_and_traced_within_a_bound(pair, tmp_path, monkeypatch) -> None:
+    """The workers' report of landed receives: those requests leave the decode's receive, lease and first-token
+    books (the others stay); traced, the newest TRACED_REPORTED wait for their first schedule, the oldest go."""
+    from kvtransport_vllm import consumer as consumer_mod
+    from kvtransport_vllm.consumer import _FirstWait, _Recv
+
+    monkeypatch.setattr(consumer_mod, "TRACED_REPORTED", 2)
+    c = pair().dc.decode
+    addr = ("127.0.0.1", 1)
+    for rid in ("a", "b", "c", "keep"):
+        c.recvs[rid] = _Recv(rid, "x", addr, 0.0)
+        c.wanted[rid] = ("x", addr)
+        c.first_waits[rid] = _FirstWait(None, "x", addr, 40)
+    trace.configure(str(tmp_path / "trace"), "decode-scheduler")
+    try:
+        c.landed({"a"})
+        c.landed({"b"})
+        c.landed({"c"})
+    finally:
+        trace.configure(None, "")
+    assert (list(c.recvs), list(c.wanted), list(c.first_waits)) == (["keep"], ["keep"], ["keep"])
+    assert list(c._reported) == ["b", "c"]
+
+
+def test_a_prefills_worker_links_go_with_it_and_no_other(pair) -> None:
+    """A prefill that went away takes its workers' destination channels (closed, forgotten, their retry
+    timers too) with it; another prefill's stay."""
+    c = pair().dc.decode
+
+    class Link:
+        closed = 0
+
+        def close(self) -> None:
+            self.closed += 1
+
+    gone, stays = ("10.0.0.1", 5), ("10.0.0.2", 6)
+    links = {(*gone, 0): Link(), (*gone, 1): Link(), (*stays, 0): Link()}
+    c.worker_at = {gone: {0: ("10.0.0.1", 7)}, stays: {0: ("10.0.0.2", 8)}}
+    c.worker_links = dict(links)
+    c._link_retry = {(*gone, 0): 1.0, (*stays, 0): 2.0}  # rank 1 of the gone prefill has no retry timer
+    c._drop_worker_links(gone)
+    assert list(c.worker_at) == [stays] and list(c.worker_links) == [(*stays, 0)]
+    assert [link.closed for link in links.values()] == [1, 1, 0]
+    assert c._link_retry == {(*stays, 0): 2.0}
+
+
+class _Blocks:
+    """vLLM's KVCacheBlocks as ``new_blocks`` reads it: every group's ids, and the unhashed (new) ones."""
+
+    def __init__(self, groups: list[list[int]], unhashed: list[list[int]]) -> None:
+        self.groups, self.unhashed = groups, unhashed
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple(self.groups)
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        return list(self.unhashed[0])
+
+    def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
+        return self.unhashed
+
+
+def _decode_role(pair, tag: str, *, flow: str = "push", late: bool = False, **d_extra: Any) -> tuple[Any, Any, Any]:
+    """(the decode role, a decode request of transfer ``tag``, its prefill's address); nothing queued yet."""
+    pr = pair(d_extra=d_extra or None)
+    _, dparams = pr.push_params(tag)
+    if flow == "pull":
+        del dparams["kvt_xfer"]
+        dparams["remote_request_id"] = tag
+    if late:
+        dparams["kvt_debug_late"] = True
+    return pr.dc.decode, make_request(list(range(10, 74)), params=dparams), (pr.pc.host, pr.pc.port)
+
+
+@pytest.mark.parametrize("flow, groups, unhashed, dst_groups", [
+    ("push", [[3, 4, 5, 6]], [[5, 6]], None),
+    ("pull", [[3, 4, 5, 6]], [[5, 6]], None),
+    ("push", [[3, 4, 5, 6], [0, 0, 7, 8]], [[5, 6], [7, 8]], [[7, 8]]),  # hybrid: the sliding window's too
+])
+def test_an_allocation_queues_its_destination_and_plans_its_workers_exactly(pair, tmp_path, flow: str,
+                                                                            groups: Any, unhashed: Any,
+                                                                            dst_groups: Any) -> None:
+    """The blocks vLLM just allocated (the new ones: past the prefix it found) go to the prefill in one ``dst``
+    message in the flow's mode; the workers' plan gets the receive's timeout, blocks and senders; traced."""
+    c, req, addr = _decode_role(pair, "al1", flow=flow)
+    rid = req.request_id
+    c.prefill_senders[addr] = {0: "inst0"}
+    trace.configure(str(tmp_path / "trace"), "decode-scheduler")
+    try:
+        c.update_state_after_alloc(req, _Blocks(groups, unhashed), 32)  # (no on_new_request: nothing assumed)
+    finally:
+        trace.configure(None, "")
+    dst: dict[str, Any] = {"seq": rid, "blocks": [5, 6], "offset": 2}
+    if dst_groups:
+        dst["groups"] = dst_groups
+    assert dict(c._outgoing) == {addr: [{"type": "dst", "xfer": "al1", "mode": flow, "dsts": [dst]}]}
+    rec = c.recvs[rid]
+    assert (rec.req_id, rec.xfer, rec.addr, type(rec.started)) == (rid, "al1", addr, float)
+    assert (c._recv_start, c._recv_blocks, c._recv_from) == ({rid: c.settings.transfer_timeout}, {rid: [5, 6]},
+                                                             {rid: {0: "inst0"}})
+    assert rid in c.consumed and c._late == [] and c._recv_fail == {}
+    assert [(r["ev"], r["key"], r.get("seq")) for r in trace.load(tmp_path / "trace")] == [("d.alloc", "al1", rid)]
+    c._outgoing.clear()
+    c.update_state_after_alloc(req, _Blocks(groups, unhashed), 32)  # once consumed, a second call does nothing
+    assert dict(c._outgoing) == {}
+
+
+@pytest.mark.parametrize("external", [0, 1])
+def test_a_request_found_locally_tells_its_prefill_not_to_wait(pair, external: int) -> None:
+    """No token to receive: one ``cancel`` (count 1), no receive. One token to receive is a receive."""
+    c, req, addr = _decode_role(pair, "loc1")
+    c.update_state_after_alloc(req, _Blocks([[3, 4, 5, 6]], [[6]] if external else [[]]), external)
+    if external:
+        assert [m["type"] for m in c._outgoing[addr]] == ["dst"] and req.request_id in c.recvs
+    else:
+        assert dict(c._outgoing) == {addr: [{"type": "cancel", "xfer": "loc1", "seqs": [], "count": 1,
+                                             "mode": "push"}]}
+        assert req.request_id not in c.recvs and req.request_id in c.consumed
+
+
+def test_a_doomed_request_is_allocated_only_to_fail(pair) -> None:
+    """Its KV cannot come: the prefill is told not to wait, the workers fail the receive with the reason, the
+    lease is dropped, and no destination goes out."""
+    from kvtransport_vllm.metadata import Failure, FailureKind
+
+    c, req, addr = _decode_role(pair, "doom1")
+    c.on_new_request(req)
+    c._outgoing.clear()
+    why = Failure(FailureKind.ADMISSION_TIMEOUT, "for the test")
+    c.doomed[req.request_id] = why
+    c.update_state_after_alloc(req, _Blocks([[3, 4, 5, 6]], [[5, 6]]), 32)
+    assert dict(c._outgoing) == {addr: [{"type": "cancel", "xfer": "doom1", "seqs": [], "count": 1,
+                                         "mode": "push"}]}
+    assert c._recv_fail == {req.request_id: why} and req.request_id in c.recvs
+    assert req.request_id not in c.wanted and req.request_id not in c.doomed
+
+
+@pytest.mark.parametrize("delay, late, held", [(0.0, True, False), (0.5, True, True), (0.5, False, False)])
+def test_only_a_flagged_request_under_a_dst_delay_is_held_back(pair, delay: float, late: bool, held: bool) -> None:
+    """Test-only ``debug_dst_delay`` holds back the destination of a request flagged ``kvt_debug_late``, until
+    ``delay`` from now; any other goes at once."""
+    c, req, addr = _decode_role(pair, "dl1", late=late, debug_dst_delay=delay)
+    t0 = time.monotonic()
+    c.update_state_after_alloc(req, _Blocks([[3, 4, 5, 6]], [[5, 6]]), 32)
+    assert [m["type"] for m in c._outgoing.get(addr, [])] == ([] if held else ["dst"])
+    assert len(c._late) == held
+    if held:
+        due, at, msg = c._late[0]
+        assert t0 + delay <= due <= time.monotonic() + delay and at == addr and msg["dsts"][0]["seq"] == req.request_id
+
+
+def test_matched_tokens_claim_the_prompt_once_admitted_and_wait_for_a_first_token(pair) -> None:
+    """``get_num_new_matched_tokens``: the remote KV covers the prompt as the client sent it (a first-token
+    request's is one token shorter than its prompt once #1 is appended); a request that continues from its
+    prefill's first token waits for it even when its prompt was found locally, unless doomed."""
+    from kvtransport_vllm.consumer import _FirstWait
+    from kvtransport_vllm.metadata import Failure, FailureKind
+
+    c, req, addr = _decode_role(pair, "mt1")
+    rid = req.request_id
+    assert c.get_num_new_matched_tokens(req, 0) == (64, True)
+    assert c.get_num_new_matched_tokens(req, 63) == (1, True)
+    assert c.get_num_new_matched_tokens(req, 64) == (0, False)
+    first = c.first_waits[rid] = _FirstWait(req, "mt1", addr, 63)  # #1 appended: the client's prompt was 63
+    assert c.get_num_new_matched_tokens(req, 0) == (63, True)
+    assert c.get_num_new_matched_tokens(req, 63) == (None, False)  # found locally: wait for the first token
+    c.doomed[rid] = Failure(FailureKind.ADMISSION_TIMEOUT, "x")
+    assert c.get_num_new_matched_tokens(req, 63) == (0, False)
+    del c.doomed[rid]
+    first.applied = True
+    assert c.get_num_new_matched_tokens(req, 63) == (0, False)
+    c.consumed.add(rid)
+    assert c.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_matched_tokens_of_an_unadmitted_or_held_request_are_none(pair) -> None:
+    c, req, _ = _decode_role(pair, "mt2", admit_below=0)  # a full cache: only a ready prefill admits it
+    c.on_new_request(req)
+    assert c.get_num_new_matched_tokens(req, 0) == (None, False)
+    c.ready_xfers["mt2"] = time.monotonic()
+    assert c.get_num_new_matched_tokens(req, 0) == (64, True)
+    c2, held, _ = _decode_role(pair, "mt3", debug_hold=True)
+    held.kv_transfer_params["kvt_debug_hold"] = True
+    assert c2.get_num_new_matched_tokens(held, 0) == (None, False)
+
+
+def test_admission_waits_for_the_prefill_then_dooms_on_a_dead_channel_or_past_the_timeout(pair, monkeypatch) -> None:
+    """``_admit_now`` with a full cache: admitted once the prefill says it is ready (even if that news comes
+    while the side channel is drained), doomed with its kind and reason when the prefill's channel is dead or the
+    transfer timeout passed (not at it)."""
+    from types import SimpleNamespace
+
+    from kvtransport_vllm import consumer as consumer_mod
+    from kvtransport_vllm.metadata import Failure, FailureKind, parse_transfer_params
+
+    c, req, addr = _decode_role(pair, "ad1", admit_below=0)
+    rid, params = req.request_id, parse_transfer_params(req.kv_transfer_params)
+    now = [1000.0]
+    monkeypatch.setattr(consumer_mod.time, "monotonic", lambda: now[0])
+    c.arrived[rid] = now[0] - c.settings.transfer_timeout  # at the timeout, not past it
+    assert c._admit_now(rid, params) is False and rid not in c.doomed
+    monkeypatch.setattr(c.side, "_drain_inbox", lambda t: c.ready_xfers.setdefault("ad1", t))
+    assert c._admit_now(rid, params) is True and c.ready_xfers["ad1"] == 1000.0
+    del c.ready_xfers["ad1"]
+    monkeypatch.setattr(c.side, "_drain_inbox", lambda t: None)
+    now[0] += 0.001  # past the timeout
+    assert c._admit_now(rid, params) is True
+    assert c.doomed.pop(rid) == Failure(
+        FailureKind.ADMISSION_TIMEOUT, f"the prefill did not start transfer ad1 within {c.settings.transfer_timeout:g}s "
+        "(admit_below: this decode waited for its go-ahead)")
+    c.clients[addr] = SimpleNamespace(dead=True, error="reset by peer")
+    assert c._admit_now(rid, params) is True
+    assert c.doomed.pop(rid) == Failure(FailureKind.SIDE_CHANNEL_UNUSABLE,
+                                        "prefill side channel unusable: reset by peer")
+    del c.arrived[rid], c.clients[addr]  # never seen arriving: not timed out
+    assert c._admit_now(rid, params) is False and rid not in c.doomed
+
+
+def test_the_cache_usage_read_for_admission(pair) -> None:
+    from types import SimpleNamespace
+
+    c = pair().dc.decode
+    c.side.block_pool = None
+    assert c._kv_usage() == 0.0
+    c.side.block_pool = SimpleNamespace(get_usage=lambda: 0.75)
+    assert c._kv_usage() == 0.75
+    c.side.block_pool = SimpleNamespace()  # no get_usage: treated as empty
+    assert c._kv_usage() == 0.0
+
+
+def test_worker_links_open_once_and_reopen_a_dead_one_only_after_the_retry_time(pair, monkeypatch) -> None:
+    """Links to a prefill's workers' destination channels: opened on first use with the decode's secret (``worker``
+    links), kept; a dead one is reopened no sooner than WORKER_LINK_RETRY_S after the last try, and meanwhile the
+    other ranks' links are still used."""
+    import dataclasses
+
+    from kvtransport_vllm import consumer as consumer_mod
+
+    made: list[Any] = []
+
+    class FakeLink:
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            self.args, self.kw, self.dead = args, kw, False
+            made.append(self)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(consumer_mod, "PeerClient", FakeLink)
+    now = [0.5]
+    monkeypatch.setattr(consumer_mod.time, "monotonic", lambda: now[0])
+    c = pair().dc.decode
+    c.settings = dataclasses.replace(c.settings, secret=b"s" * 32)
+    addr = ("10.0.0.1", 5)
+    c.worker_at[addr] = {0: ("10.0.0.1", 7), 1: ("10.0.0.1", 8)}
+    first = c._worker_links(addr)
+    assert first == made and [(m.args[:2], m.kw) for m in made] == [
+        (("10.0.0.1", 7), {"secret": b"s" * 32, "worker": True}), (("10.0.0.1", 8), {"secret": b"s" * 32, "worker": True})]
+    assert made[0].args[2:] == (c.side.hello, c.side.compat, c.side.inbox, c.settings.connect_timeout)
+    retry = 0.5 + consumer_mod.WORKER_LINK_RETRY_S
+    assert c._link_retry == {("10.0.0.1", 5, 0): retry, ("10.0.0.1", 5, 1): retry}
+    assert c._worker_links(addr) == first and len(made) == 2  # kept
+    made[0].dead = True
+    now[0] = retry - 0.001
+    assert c._worker_links(addr) == [made[1]] and len(made) == 2  # rank 0 waits, rank 1 still used
+    now[0] = retry
+    assert c._worker_links(addr) == [made[2], made[1]] and made[2].args[:2] == ("10.0.0.1", 7)
+    assert c._link_retry[("10.0.0.1", 5, 0)] == retry + consumer_mod.WORKER_LINK_RETRY_S
+
+
+def test_a_lost_prefill_fails_its_receives_dooms_its_unallocated_requests_and_drops_its_links(pair) -> None:
+    """``lost``: that prefill's receives fail (PREFILL_LOST, with the reason; an earlier failure stays), its
+    requests not allocated yet are doomed, its workers and their links are forgotten; another prefill's stay."""
+    from kvtransport_vllm.consumer import _Recv
+    from kvtransport_vllm.metadata import Failure, FailureKind
+
+    c = pair().dc.decode
+    a, b = ("10.0.0.1", 5), ("10.0.0.2", 6)
+    refused = Failure(FailureKind.REFUSED, "earlier")
+    c.recvs.update({"r1": _Recv("r1", "x1", a, 0.0), "r2": _Recv("r2", "x2", a, 0.0), "r3": _Recv("r3", "x3", b, 0.0)})
+    c._recv_fail["r2"] = refused
+    c.wanted.update({"r1": ("x1", a), "r3": ("x3", b), "w4": ("x4", a), "w5": ("x5", a), "w6": ("x6", b)})
+    c.consumed.add("w5")  # allocated already (found locally): not doomed
+    c.prefill_senders.update({a: {0: "pa"}, b: {0: "pb"}})
+    c.worker_at.update({a: {0: ("10.0.0.1", 7)}, b: {0: ("10.0.0.2", 8)}})
+    c.on_event(("lost", list(a), "reset"), time.monotonic())
+    lost = Failure(FailureKind.PREFILL_LOST, "prefill lost: reset")
+    assert c._recv_fail == {"r2": refused, "r1": lost}
+    assert sorted(c.wanted) == ["r3", "w4", "w5", "w6"] and c.doomed == {"w4": lost}
+    assert c.prefill_senders == {b: {0: "pb"}} and list(c.worker_at) == [b]
+
+
+def test_a_refused_transfer_fails_only_a_receive_in_progress(pair) -> None:
+    from kvtransport_vllm.consumer import _Recv
+    from kvtransport_vllm.metadata import Failure, FailureKind
+
+    c = pair().dc.decode
+    c.recvs["r1"] = _Recv("r1", "x1", ("h", 1), 0.0)
+    c.wanted.update({"r1": ("x1", ("h", 1)), "w2": ("x2", ("h", 1))})
+    c.on_event(("fail", "r1", "no room"), time.monotonic())
+    c.on_event(("fail", "w2", "no room"), time.monotonic())  # not receiving: nothing to fail
+    assert c._recv_fail == {"r1": Failure(FailureKind.REFUSED, "no room")} and list(c.wanted) == ["w2"]
+
+
+@pytest.mark.parametrize("groups, unhashed, expect", [
+    ([[3, 4, 5, 6]], [[5, 6]], (2, [5, 6], [])),
+    ([[3, 4, 5, 6]], [[]], (4, [], [])),
+    ([[3, 4, 5, 6], [0, 0, 7, 8]], [[5, 6], [7, 8]], (2, [5, 6], [[7, 8]])),
+    ([[3, 4, 5, 6], [0, 0, 0, 8], [0, 9, 10, 11]], [[5, 6], [8], [10, 11]], (2, [5, 6], [[0, 8], [10, 11]])),
+])
+def test_new_blocks_are_the_trailing_ones_of_every_group(groups: Any, unhashed: Any, expect: Any) -> None:
+    """A hybrid model's groups cover the same token blocks; the new ones are the most any group has unhashed (a
+    sliding window's skipped blocks are the null block, not in its unhashed list), aligned in every group."""
+    from kvtransport_vllm.consumer import new_blocks
+
+    assert new_blocks(_Blocks(groups, unhashed)) == expect
+
+
+def test_a_request_awaits_its_first_token_only_while_allocated_and_not_applied(pair) -> None:
+    from kvtransport_vllm.consumer import _FirstWait, _Recv
+
+    c = pair().dc.decode
+    req = make_request(list(range(10, 50)))
+    first = c.first_waits[req.request_id] = _FirstWait(req, "x", ("h", 1), 40)
+    assert c.awaits_first_token() is False  # not allocated yet
+    c.recvs[req.request_id] = _Recv(req.request_id, "x", ("h", 1), 0.0)
+    assert c.awaits_first_token() is True
+    first.applied = True
+    assert c.awaits_first_token() is False
