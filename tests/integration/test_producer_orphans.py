@@ -357,4 +357,19 @@ def test_a_cancel_over_the_budget_is_dropped_and_counted_once(side, monkeypatch)
     assert p._hold("A", "x", _Dst("A", "a1", [1], 0), time.monotonic()) is None
     before, refused = _books(side), p.orphans_refused
     p._hold_cancels("A", "z", 1, time.monotonic())
-    assert p.orphans_refused == refused + 1 and _books(side) == before and "z" not in side.orphans
+    p._hold_cancels("A", "z2", 1, time.monotonic())
+    assert p.orphans_refused == refused + 2 and _books(side) == before and "z" not in side.orphans
+
+
+def test_an_orphan_made_by_a_cancel_alone_keeps_its_lease_and_its_last_count(side) -> None:
+    """A cancel for a transfer nobody else named makes its orphan, which lives one lease from now; with one
+    destination of another engine beside it, the orphan stays on that one count when the destination goes."""
+    from kvtransport_vllm.producer import _Dst
+
+    p = side.prefill
+    now = time.monotonic()
+    p._hold_cancels("A", "x", 1, now)
+    assert side.orphans["x"] == (now + side.settings.lease, [], 1)
+    assert p._hold("B", "x", _Dst("B", "b1", [2], 0), now) is None
+    p._unhold("B", "x", "b1")
+    assert side.orphans["x"] == (now + side.settings.lease, [], 1)

@@ -1709,3 +1709,63 @@ def test_a_late_destination_goes_out_when_it_is_due_not_before(pair, monkeypatch
     c._late = [(10.0, ("h", 1), msg), (10.5, ("h", 1), msg)]
     c.plan_step(StepPlan(), 10.0)
     assert sent == [(("h", 1), [msg])] and [t for t, _, _ in c._late] == [10.5]
+
+
+def test_queued_messages_go_to_the_prefills_channel_with_the_secret_and_to_its_workers_only_with_a_dst(
+        pair, monkeypatch) -> None:
+    """``_flush_outgoing``: the prefill's side channel is opened with the decode's secret; the workers' channels
+    are opened only for destination messages (a lease renewal alone opens none)."""
+    import dataclasses
+
+    from kvtransport_vllm import consumer as consumer_mod
+
+    made: list[Any] = []
+
+    class FakeClient:
+        dead = False
+
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            self.args, self.kw, self.sent = args, kw, []
+            made.append(self)
+
+        def send(self, msg: Any) -> bool:
+            self.sent.append(msg)
+            return True
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(consumer_mod, "PeerClient", FakeClient)
+    c = pair().dc.decode
+    c.settings = dataclasses.replace(c.settings, secret=b"s" * 32)
+    addr = ("10.0.0.1", 5)
+    c.worker_at[addr] = {0: ("10.0.0.1", 7)}
+    c._outgoing[addr].append({"type": "renew", "xfers": ["x"]})
+    c._flush_outgoing()
+    assert [(m.args[:2], m.kw, m.sent) for m in made] == [(addr, {"secret": b"s" * 32}, [{"type": "renew",
+                                                                                           "xfers": ["x"]}])]
+    dst = {"type": "dst", "xfer": "x", "mode": "push", "dsts": [{"seq": "r", "blocks": [1], "offset": 0}]}
+    c._outgoing[addr].append(dst)
+    c._flush_outgoing()
+    assert [(m.args[:2], m.sent[-1]) for m in made] == [(addr, dst), (("10.0.0.1", 7), dst)]
+
+
+def test_a_new_request_takes_a_lease_only_when_it_names_a_prefill(pair, tmp_path) -> None:
+    """``on_new_request``: a decode request renews its transfer's lease at once and is traced (``d.new``); a
+    request of the prefill role (a ``kv_both`` engine's: its transfer, no prefill to name) takes none."""
+    pr = pair()
+    c = pr.dc.decode
+    pparams, dparams = pr.push_params("nr1")
+    other = make_request(list(range(10, 50)), params=pparams)
+    req = make_request(list(range(10, 50)), params=dparams)
+    trace.configure(str(tmp_path / "trace"), "decode-scheduler")
+    try:
+        c.on_new_request(other)
+        c.on_new_request(req)
+    finally:
+        trace.configure(None, "")
+    addr = (pr.pc.host, pr.pc.port)
+    assert dict(c._outgoing) == {addr: [{"type": "renew", "xfers": ["nr1"]}]}
+    assert list(c.wanted) == [req.request_id] and list(c.arrived) == [req.request_id]
+    rows = [(r["ev"], r["key"], r.get("seq")) for r in trace.load(tmp_path / "trace")]
+    assert rows == [("d.new", "nr1", req.request_id)]
