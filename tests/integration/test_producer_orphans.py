@@ -301,3 +301,75 @@ def test_releasing_what_is_not_held_changes_nothing(side) -> None:
     assert p._release("A", ("x", "nope")) == 0 and p._release("C", ("x", "a1")) == 0
     assert p._release("A", ("z", None)) == 0
     assert _books(side) == before
+
+
+def test_an_orphan_stays_while_any_destination_or_cancel_is_held_and_goes_with_the_last(side) -> None:
+    """``_unhold`` step by step: a cancel count given back while destinations stay, one taken again, the
+    destinations going one by one (the transfer stays one engine's once the other's last entry went), the last
+    cancel count: the orphan and every book go with it, not before."""
+    from kvtransport_vllm.producer import _Dst
+
+    p = side.prefill
+    now = time.monotonic()
+    a1, b1 = _Dst("A", "a1", [1], 0), _Dst("B", "b1", [2], 0)
+    assert p._hold("A", "x", a1, now) is None
+    p._hold_cancels("A", "x", 1, now)
+    assert p._hold("B", "x", b1, now) is None
+    dl = side.orphans["x"][0]
+    assert dl == now + side.settings.lease
+    p._unhold("A", "x", None)
+    assert side.orphans["x"] == (dl, [a1, b1], 0)
+    p._hold_cancels("A", "x", 1, now)
+    p._hold_cancels("A", "x", 1, now)  # a second cancel of the same engine adds to its count, not an entry
+    assert _books(side)["shares"]["A"] == (2 * ENTRY + 1, {("x", "a1"): ENTRY + 1, ("x", None): ENTRY}, {"x": 1},
+                                           {"x": 2})
+    p._unhold("A", "x", "a1")
+    assert side.orphans["x"] == (dl, [b1], 2)
+    p._unhold("B", "x", "b1")
+    assert side.orphans["x"] == (dl, [], 2) and _books(side)["engines"] == {"x": ["A"]}
+    p._unhold("A", "x", None)
+    assert "x" not in side.orphans and _books(side) == {"total": 0, "engines": {}, "shares": {}}
+
+
+def test_a_gone_decodes_destinations_become_its_cancels_without_a_budget_check(side) -> None:
+    """A decode engine whose side channel ended: each early destination of it turns into one cancel of its
+    transfer (one entry, ORPHAN_ENTRY_COST, even with the engine's entries at their cap); another engine's stay."""
+    from kvtransport_vllm.producer import _Dst
+
+    p = side.prefill
+    now = time.monotonic()
+    a1, a2, b1 = _Dst("A", "a1", [1, 2], 0), _Dst("A", "a2", [3], 0), _Dst("B", "b1", [4], 0)
+    for engine, d in (("A", a1), ("A", a2), ("B", b1)):
+        assert p._hold(engine, "x", d, now) is None
+    p._engine_gone("A", "side channel closed")
+    assert _books(side) == {"total": ENTRY + (ENTRY + 1), "engines": {"x": ["A", "B"]},
+                            "shares": {"A": (ENTRY, {("x", None): ENTRY}, {}, {"x": 2}),
+                                       "B": (ENTRY + 1, {("x", "b1"): ENTRY + 1}, {"x": 1}, {})}}
+    assert side.orphans["x"][1:] == ([b1], 2)
+
+
+def test_a_cancel_over_the_budget_is_dropped_and_counted_once(side, monkeypatch) -> None:
+    from kvtransport_vllm import producer as producer_mod
+    from kvtransport_vllm.producer import _Dst
+
+    monkeypatch.setattr(producer_mod, "MAX_ORPHANS_PER_ENGINE", 1)
+    p = side.prefill
+    assert p._hold("A", "x", _Dst("A", "a1", [1], 0), time.monotonic()) is None
+    before, refused = _books(side), p.orphans_refused
+    p._hold_cancels("A", "z", 1, time.monotonic())
+    p._hold_cancels("A", "z2", 1, time.monotonic())
+    assert p.orphans_refused == refused + 2 and _books(side) == before and "z" not in side.orphans
+
+
+def test_an_orphan_made_by_a_cancel_alone_keeps_its_lease_and_its_last_count(side) -> None:
+    """A cancel for a transfer nobody else named makes its orphan, which lives one lease from now; with one
+    destination of another engine beside it, the orphan stays on that one count when the destination goes."""
+    from kvtransport_vllm.producer import _Dst
+
+    p = side.prefill
+    now = time.monotonic()
+    p._hold_cancels("A", "x", 1, now)
+    assert side.orphans["x"] == (now + side.settings.lease, [], 1)
+    assert p._hold("B", "x", _Dst("B", "b1", [2], 0), now) is None
+    p._unhold("B", "x", "b1")
+    assert side.orphans["x"] == (now + side.settings.lease, [], 1)

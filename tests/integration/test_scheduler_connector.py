@@ -1570,6 +1570,7 @@ def test_a_refused_transfer_fails_only_a_receive_in_progress(pair) -> None:
     ([[3, 4, 5, 6]], [[]], (4, [], [])),
     ([[3, 4, 5, 6], [0, 0, 7, 8]], [[5, 6], [7, 8]], (2, [5, 6], [[7, 8]])),
     ([[3, 4, 5, 6], [0, 0, 0, 8], [0, 9, 10, 11]], [[5, 6], [8], [10, 11]], (2, [5, 6], [[0, 8], [10, 11]])),
+    ([[0, 0, 5, 6], [3, 4, 7, 8]], [[5, 6], [4, 7, 8]], (1, [0, 5, 6], [[4, 7, 8]])),  # group 0 a sliding window
 ])
 def test_new_blocks_are_the_trailing_ones_of_every_group(groups: Any, unhashed: Any, expect: Any) -> None:
     """A hybrid model's groups cover the same token blocks; the new ones are the most any group has unhashed (a
@@ -1590,3 +1591,181 @@ def test_a_request_awaits_its_first_token_only_while_allocated_and_not_applied(p
     assert c.awaits_first_token() is True
     first.applied = True
     assert c.awaits_first_token() is False
+
+
+def test_an_aborted_first_token_request_is_forgotten_everywhere(pair) -> None:
+    """Aborted between its allocation and its plan (direct calls), with a first token on its way to the API server
+    and a doom recorded: nothing of it stays, the emitter's entry included."""
+    from kvtransport_vllm.compat import first_token_emitter
+    from kvtransport_vllm.consumer import _FirstWait
+    from kvtransport_vllm.metadata import Failure, FailureKind
+
+    c, req, addr = _decode_role(pair, "fa1")
+    rid = req.request_id
+    c.first_waits[rid] = _FirstWait(req, "fa1", addr, 64)
+    c.update_state_after_alloc(req, _Blocks([[3, 4, 5, 6]], [[5, 6]]), 32)
+    c.doomed[rid] = Failure(FailureKind.ADMISSION_TIMEOUT, "x")
+    first_token_emitter.add(rid, 77)
+    try:
+        c.request_finished(req)
+        assert _forgot(c, rid) == [] and rid not in first_token_emitter.pending
+    finally:
+        first_token_emitter.discard(rid)
+
+
+@pytest.mark.parametrize("arrived", [True, False])
+def test_a_doomed_request_with_one_token_to_receive_fails_and_keeps_no_lease(pair, arrived: bool) -> None:
+    from kvtransport_vllm.metadata import Failure, FailureKind
+
+    c, req, _ = _decode_role(pair, "doom2")
+    if arrived:
+        c.on_new_request(req)
+    c.doomed[req.request_id] = why = Failure(FailureKind.PREFILL_LOST, "gone")
+    c.update_state_after_alloc(req, _Blocks([[3, 4, 5, 6]], [[6]]), 1)
+    assert c._recv_fail == {req.request_id: why} and req.request_id not in c.wanted
+
+
+def test_a_first_token_reaches_a_request_without_sampling_params(pair) -> None:
+    """A request whose sampling params are None (as a pooling request's are) still gets its first token."""
+    from kvtransport_vllm.compat import first_token_emitter
+    from kvtransport_vllm.consumer import _FirstWait
+
+    c = pair().dc.decode
+    req = make_request(list(range(10, 50)))
+    req.sampling_params = None
+    c.first_waits[req.request_id] = _FirstWait(req, "x", ("h", 1), 40)
+    try:
+        c._first_token_arrived(("h", 1), "x", 77)
+        assert list(req.prompt_token_ids)[-1] == 77 and first_token_emitter.pending.get(req.request_id) == 77
+    finally:
+        first_token_emitter.discard(req.request_id)
+
+
+def test_a_prompt_token_appended_to_a_request_of_an_older_vllm() -> None:
+    """vLLM before 0.32 has no ``prompt_is_token_ids``: nothing else is read."""
+    from types import SimpleNamespace
+
+    from kvtransport_vllm.consumer import append_prompt_token
+
+    hashed: list[int] = []
+    req = SimpleNamespace(prompt_token_ids=[1, 2], _all_token_ids=[1, 2], num_prompt_tokens=2,
+                          update_block_hashes=lambda: hashed.append(1))
+    append_prompt_token(req, 77)
+    assert (req.prompt_token_ids, req._all_token_ids, req.num_prompt_tokens, hashed) == ([1, 2, 77], [1, 2, 77], 3, [1])
+
+
+def test_leases_are_renewed_every_third_of_the_lease(pair) -> None:
+    c = pair().dc.decode
+    addr = ("h", 1)
+    c.wanted.update({"r1": ("x1", addr), "r2": ("x2", addr)})
+    lease = c.settings.lease
+    c._last_renew = 100.0
+    c._renew(100.0 + lease / 3 - 0.001)
+    assert dict(c._outgoing) == {}
+    c._renew(100.0 + lease / 3)
+    assert dict(c._outgoing) == {addr: [{"type": "renew", "xfers": ["x1", "x2"]}]}
+    assert c._last_renew == 100.0 + lease / 3
+
+
+def test_events_about_what_is_gone_already_change_nothing_and_raise_nothing(pair) -> None:
+    """A refusal or loss for a receive whose lease went already (doomed at allocation), a second ``lost`` for the
+    same prefill, a re-welcome of its workers (the old links go)."""
+    from kvtransport_vllm.consumer import _Recv
+
+    c = pair().dc.decode
+    a = ("10.0.0.1", 5)
+    c.recvs["r"] = _Recv("r", "x", a, 0.0)  # no wanted entry (doomed at allocation)
+    c.on_event(("fail", "r", "no"), 0.0)
+    del c._recv_fail["r"]
+    c.on_event(("lost", list(a), "reset"), 0.0)
+    c.on_event(("lost", list(a), "reset"), 0.0)  # its senders and links are gone already
+    assert list(c._recv_fail) == ["r"]
+
+    class Link:
+        closed = 0
+        dead = False
+
+        def close(self) -> None:
+            self.closed += 1
+
+    old = c.worker_links[(*a, 0)] = Link()
+    c.on_event(("workers", list(a), {0: ("10.0.0.1", 9)}), 0.0)
+    assert old.closed == 1 and (*a, 0) not in c.worker_links and c.worker_at[a] == {0: ("10.0.0.1", 9)}
+
+
+def test_go_aheads_are_remembered_within_a_bound_oldest_first(pair) -> None:
+    c = pair().dc.decode
+    c.on_event(("ready", ("h", 1), [f"x{i}" for i in range(4097)]), 5.0)
+    assert len(c.ready_xfers) == 4096 and "x0" not in c.ready_xfers and c.ready_xfers["x4096"] == 5.0
+
+
+def test_a_late_destination_goes_out_when_it_is_due_not_before(pair, monkeypatch) -> None:
+    from kvtransport_vllm.metadata import StepPlan
+
+    c = pair().dc.decode
+    sent: list[Any] = []
+    monkeypatch.setattr(c, "_flush_outgoing", lambda: sent.extend(c._outgoing.items()) or c._outgoing.clear())
+    msg = {"type": "dst", "xfer": "x", "mode": "push", "dsts": []}
+    c._late = [(10.0, ("h", 1), msg), (10.5, ("h", 1), msg)]
+    c.plan_step(StepPlan(), 10.0)
+    assert sent == [(("h", 1), [msg])] and [t for t, _, _ in c._late] == [10.5]
+
+
+def test_queued_messages_go_to_the_prefills_channel_with_the_secret_and_to_its_workers_only_with_a_dst(
+        pair, monkeypatch) -> None:
+    """``_flush_outgoing``: the prefill's side channel is opened with the decode's secret; the workers' channels
+    are opened only for destination messages (a lease renewal alone opens none)."""
+    import dataclasses
+
+    from kvtransport_vllm import consumer as consumer_mod
+
+    made: list[Any] = []
+
+    class FakeClient:
+        dead = False
+
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            self.args, self.kw, self.sent = args, kw, []
+            made.append(self)
+
+        def send(self, msg: Any) -> bool:
+            self.sent.append(msg)
+            return True
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(consumer_mod, "PeerClient", FakeClient)
+    c = pair().dc.decode
+    c.settings = dataclasses.replace(c.settings, secret=b"s" * 32)
+    addr = ("10.0.0.1", 5)
+    c.worker_at[addr] = {0: ("10.0.0.1", 7)}
+    c._outgoing[addr].append({"type": "renew", "xfers": ["x"]})
+    c._flush_outgoing()
+    assert [(m.args[:2], m.kw, m.sent) for m in made] == [(addr, {"secret": b"s" * 32}, [{"type": "renew",
+                                                                                           "xfers": ["x"]}])]
+    dst = {"type": "dst", "xfer": "x", "mode": "push", "dsts": [{"seq": "r", "blocks": [1], "offset": 0}]}
+    c._outgoing[addr].append(dst)
+    c._flush_outgoing()
+    assert [(m.args[:2], m.sent[-1]) for m in made] == [(addr, dst), (("10.0.0.1", 7), dst)]
+
+
+def test_a_new_request_takes_a_lease_only_when_it_names_a_prefill(pair, tmp_path) -> None:
+    """``on_new_request``: a decode request renews its transfer's lease at once and is traced (``d.new``); a
+    request of the prefill role (a ``kv_both`` engine's: its transfer, no prefill to name) takes none."""
+    pr = pair()
+    c = pr.dc.decode
+    pparams, dparams = pr.push_params("nr1")
+    other = make_request(list(range(10, 50)), params=pparams)
+    req = make_request(list(range(10, 50)), params=dparams)
+    trace.configure(str(tmp_path / "trace"), "decode-scheduler")
+    try:
+        c.on_new_request(other)
+        c.on_new_request(req)
+    finally:
+        trace.configure(None, "")
+    addr = (pr.pc.host, pr.pc.port)
+    assert dict(c._outgoing) == {addr: [{"type": "renew", "xfers": ["nr1"]}]}
+    assert list(c.wanted) == [req.request_id] and list(c.arrived) == [req.request_id]
+    rows = [(r["ev"], r["key"], r.get("seq")) for r in trace.load(tmp_path / "trace")]
+    assert rows == [("d.new", "nr1", req.request_id)]
