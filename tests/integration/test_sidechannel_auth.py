@@ -344,6 +344,31 @@ def test_an_impostor_holding_a_decodes_id_loses_it_to_the_real_decode_within_one
         impostor.close()
 
 
+def test_a_claimant_right_behind_the_holders_welcome_is_refused(server, monkeypatch) -> None:
+    """The engine id is taken before the welcome leaves: a second handshake of the same id that starts the moment
+    the first got its welcome is refused (it was welcomed while the first connection was still being registered,
+    which a slow registration, here 0.5 s, makes certain)."""
+    real = sc._Conn
+
+    class SlowConn(real):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            time.sleep(0.5)
+            super().__init__(*args, **kw)
+
+    monkeypatch.setattr(sc, "_Conn", SlowConn)
+    srv, inbox = server
+    first, reply = handshake(srv)
+    assert reply["type"] == "welcome"
+    stop = threading.Event()
+    answer_pings(first, stop)
+    second, reply = handshake(srv)
+    assert reply["type"] == "refuse" and reply["retry"] is True
+    assert inbox.get(timeout=5)[:2] == ("hello", "decode-A") and inbox.empty()
+    second.close()
+    stop.set()
+    first.close()
+
+
 def test_refusals_of_a_claimant_are_logged_at_a_bounded_rate(server, caplog, monkeypatch) -> None:
     """60 claimants of a live engine's id in a row: each refused, the log says so a bounded number of times."""
     monkeypatch.setattr(sc, "RECONNECT_PROBE_S", 10.0)  # a loaded host may answer one of 60 pings late

@@ -279,8 +279,11 @@ class SideChannelServer:
                        reason)
         send_message(sock, {"type": "refuse", "version": PROTOCOL_VERSION, "reason": told, "retry": retry})
 
-    def _handshake(self, sock: socket.socket, label: str, hello: dict[str, Any]) -> dict[str, Any] | None:
-        """Check the (authenticated) hello: the checked hello, or None when refused (the peer was told)."""
+    def _handshake(self, sock: socket.socket, label: str,
+                   hello: dict[str, Any]) -> tuple[dict[str, Any], _Conn] | None:
+        """Check the (authenticated) hello; take the engine id for this connection, registered before the welcome
+        leaves (so a second handshake of the same id, however close behind, finds it held); returns the checked
+        hello and the connection, or None when refused (the peer was told)."""
         ours, info = self._compat() if self._compat is not None else (None, {})
         try:
             if hello.get("version") != PROTOCOL_VERSION:
@@ -298,17 +301,33 @@ class SideChannelServer:
                          "incompatible KV caches, fields that differ: "
                          + describe_mismatch(info, theirs, values=False))
             return None
-        if not self._old_conn_gone(checked["engine_id"]):  # a second peer under a live engine's id
-            self._refuse(sock, label, checked["engine_id"], "an engine with this id is connected and alive",
-                         f"engine id {str(checked['engine_id'])[:64]} is already connected", retry=True)
+        engine = checked["engine_id"]
+        conn = old = None
+        if self._old_conn_gone(engine):  # a second peer under a live engine's id is refused
+            with self._lock:  # (and one whose handshake got in meanwhile)
+                old = self._conns.get(engine)
+                if old is None or old.closed.is_set():
+                    conn = self._conns[engine] = _Conn(sock, label, self._timeout)
+        if conn is None:
+            self._refuse(sock, label, engine, "an engine with this id is connected and alive",
+                         f"engine id {str(engine)[:64]} is already connected", retry=True)
             return None
+        if old is not None:  # the probe's loser: closed already
+            old.close()
         welcome: dict[str, Any] = {"type": "welcome", "version": PROTOCOL_VERSION, "engine_id": self.engine_id}
         if self._compat is not None:  # the scheduler's channel (a worker's destination channel checks nothing)
             welcome.update(compat=ours, compat_info=info, lease=self.lease,
                            senders=self._senders() if self._senders else {},
                            worker_at=self._worker_at() if self._worker_at else {})
-        send_frame(sock, seal(welcome, self._secret, checked.pop("nonce")))
-        return checked
+        try:
+            send_frame(sock, seal(welcome, self._secret, checked.pop("nonce")))
+        except BaseException:
+            with self._lock:
+                if self._conns.get(engine) is conn:
+                    del self._conns[engine]
+            conn.close()
+            raise
+        return checked, conn
 
     def _serve(self, sock: socket.socket, label: str, authenticated: dict[str, Any]) -> None:
         engine = None
@@ -317,18 +336,13 @@ class SideChannelServer:
             try:
                 sock.setblocking(True)
                 sock.settimeout(self._timeout)
-                hello = self._handshake(sock, label, authenticated)
+                taken = self._handshake(sock, label, authenticated)
             finally:
                 self._handshakes.release()
-            if hello is None:
+            if taken is None:
                 return
+            hello, conn = taken
             engine = hello["engine_id"]
-            conn = _Conn(sock, label, self._timeout)
-            with self._lock:
-                old = self._conns.pop(engine, None)
-                self._conns[engine] = conn
-            if old is not None:
-                old.close()
             _deliver(self._inbox, ("hello", engine, hello), self._timeout)
             while True:
                 try:
