@@ -439,6 +439,7 @@ def check_disaggregated(cluster: dict[str, Any], proxy_url: str, seed: int, pref
         return sum(delta(metrics(p.url), b, key) for p, b in zip(prefills, sent0, strict=True))
 
     expected_first = first_token_requests(seed) if first_token else 0
+    nudge_at = time.monotonic() + 2.0
     while True:
         d1, p1 = metrics(D.url), metrics(P.url)
         if (delta(d1, d0, "vllm:kvtransport_transfers_received_total") >= n_dec
@@ -449,10 +450,18 @@ def check_disaggregated(cluster: dict[str, Any], proxy_url: str, seed: int, pref
                 # a prefill counts a transfer sent after its signal, which the decode may have landed and counted
                 # first: the count reaches Prometheus with the prefill's next step (CI, 2026-12-03: 11 of 12)
                 and sent_by_prefills("vllm:kvtransport_transfers_layerwise_total")
-                + sent_by_prefills("vllm:kvtransport_transfers_whole_total") >= n_dec) \
+                + sent_by_prefills("vllm:kvtransport_transfers_whole_total") >= n_dec
+                # and so does a destination's bind (CI, 2026-12-04: 9 of 10 bound after, behind vllm-router)
+                and sum(sent_by_prefills(f"vllm:kvtransport_dst_bound_{k}_total")
+                        for k in ("before", "during", "after")) >= n_dec) \
                 or time.monotonic() > deadline:
             break
         time.sleep(0.5)
+        if time.monotonic() > nudge_at:  # an idle engine publishes its workers' last counts only when it steps
+            nudge_at = time.monotonic() + 2.0
+            for p in prefills:
+                httpx.post(p.url + "/v1/completions", timeout=60,
+                           json={"model": "tiny", "prompt": [1], "max_tokens": 1, "temperature": 0})
     summary = {
         "seconds": round(took, 2),
         "decode_requests": n_dec,
