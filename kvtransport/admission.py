@@ -19,6 +19,9 @@ A receiver must stay reachable whatever arrives at its port. So, before a peer h
   closed (reset) the moment it is accepted, before any challenge: a flood costs an ``accept`` and a
   ``close`` each, and the listen backlog drains at that cost. (A flood faster still fills the backlog; a
   connect that finds it full waits for the kernel's retransmit, 1 s, before anything here sees its source.)
+* a deadline counts the receiver's waking time only: a loop step that woke well past what it asked of
+  ``select`` (the thread got no CPU) moves every deadline on by that step (``STALL_GRACE_S``), so a peer whose
+  HELLO arrived in time is not dropped because this thread could not read it;
 * the complete message goes to ``on_hello`` on this thread; it returns ``True`` when it took the connection
   (its owner starts a handshake thread), ``False`` when it is busy (the connection waits, bounded by its
   deadline, and is offered again), or closes it itself and returns ``None``.
@@ -42,6 +45,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import chain
 
 log = logging.getLogger("kvtransport")
 
@@ -70,6 +74,11 @@ BODY_START = 16 << 10
 """A message's buffer starts this large (or at its length if smaller) and doubles as its bytes arrive."""
 ACCEPT_BACKOFF_S = (0.001, 1.0)
 """A failed accept pauses accepting this long, doubling per consecutive failure up to the second value."""
+STALL_GRACE_S = 0.5
+"""A loop step that wakes this much later than its ``select`` timeout asked was stalled: the thread got no CPU
+(a 2-core host under twelve spinning engine processes stalled it past a 10 s ``preauth_timeout``; CI, issue 27),
+or its process was stopped. A stall is not the peers' time: every deadline moves on by the whole stalled step,
+since the thread cannot tell when in it their bytes arrived."""
 
 
 class RateLimitedLog:
@@ -213,6 +222,8 @@ class AdmissionStats:
     """Connections whose first message ``on_hello`` took."""
     dropped_slow: int = 0
     """Past their deadline (``preauth_timeout``) before ``on_hello`` took them."""
+    stalls: int = 0
+    """Loop steps that woke more than STALL_GRACE_S late (every deadline moved on by the step's length)."""
     dropped_crowded: int = 0
     """The oldest, when one more than ``max_pending`` waited."""
     dropped_over_budget: int = 0
@@ -266,6 +277,7 @@ class Admission:
         self._accepting = True
         self._backoff = 0.0
         self._resume_at = 0.0
+        self._tick = time.monotonic()  # when the last loop step ended
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -290,6 +302,7 @@ class Admission:
 
     # ---------------------------------------------------------------- the loop
     def _run(self) -> None:
+        self._tick = time.monotonic()
         try:
             while not self._closed:
                 try:
@@ -316,7 +329,9 @@ class Admission:
             timeout = min(timeout, max(0.0, min(deadlines) - now))
         if not self._accepting:
             timeout = min(timeout, max(0.0, self._resume_at - now))
-        for key, _ in self._sel.select(timeout):
+        events = self._sel.select(timeout)
+        self._forgive_stall(time.monotonic() - self._tick, timeout)
+        for key, _ in events:
             if key.data is None:
                 self._accept_some()
             elif key.data == "wake":
@@ -331,9 +346,23 @@ class Admission:
             self._sel.register(self.server, selectors.EVENT_READ, None)
             self._accepting = True
         for conn in [c for c in self._pending.values() if c.deadline <= now]:
+            self.logs.log(logging.INFO, "slow", "kvtransport: side-channel connection from %s dropped: no whole "
+                          "first message within %.3gs", conn.label, self.preauth_timeout)
             self._drop(conn)
             self.stats.dropped_slow += 1
         self._offer_ready(now)
+        self._tick = time.monotonic()
+
+    def _forgive_stall(self, stepped: float, asked: float) -> None:
+        """The step took ``stepped`` seconds where ``select`` was asked to wait ``asked`` at most: past
+        STALL_GRACE_S more, this thread was stalled, and every deadline moves on by ``stepped``."""
+        if stepped <= asked + STALL_GRACE_S:
+            return
+        self.stats.stalls += 1
+        for conn in chain(self._pending.values(), self._ready):
+            conn.deadline += stepped
+        self.logs.log(logging.WARNING, "stall", "kvtransport: the side-channel admission thread was stalled %.3gs "
+                      "(no CPU?); the handshakes in progress keep their time", stepped - asked)
 
     def _accept_some(self) -> None:
         for _ in range(ACCEPT_BATCH):  # bounded: the connections already admitted are served in between
@@ -466,6 +495,9 @@ class Admission:
             conn = self._ready[0]
             hello = conn.hello
             if conn.deadline <= now or hello is None:
+                if hello is not None:
+                    self.logs.log(logging.WARNING, "slow-ready", "kvtransport: a whole HELLO from %s waited past its "
+                                  "deadline for a handshake slot and was dropped (every slot busy)", conn.label)
                 self._drop(conn)
                 self.stats.dropped_slow += 1
                 continue

@@ -241,6 +241,41 @@ def test_a_busy_owner_gets_the_connection_again_until_its_deadline() -> None:
         server.close()
 
 
+def test_a_hello_that_came_in_time_is_not_dropped_because_the_receiver_was_stalled() -> None:
+    """The admission thread gets no CPU for 2.5 s (its ``select`` returns that late; CI's 2-core host under
+    twelve engine processes stalled it past 10 s) while a peer sends its whole HELLO at once: the deadline
+    (1 s) counts the receiver's waking time only, so the hello is handed over, not dropped as slow. A peer
+    that stays silent is still dropped once the receiver is awake past the deadline."""
+    got: list[PendingHello] = []
+    adm, server = make(lambda h: got.append(h) or True, preauth_timeout=1.0)
+    real_select = adm._sel.select
+    stall = threading.Event()
+
+    def stalled_select(timeout: float | None = None) -> Any:
+        if stall.is_set():
+            stall.clear()
+            time.sleep(2.5)  # (the thread would have slept at most ``timeout``)
+            return real_select(0)
+        return real_select(timeout)
+
+    adm._sel.select = stalled_select  # type: ignore[method-assign]
+    try:
+        s, silent = dial(server), dial(server)
+        wait_for(lambda: adm.pending == 2)
+        stall.set()
+        s.sendall(HEADER.pack(2) + b"ok")
+        wait_for(lambda: got, timeout=6)
+        assert got[0].payload == b"ok" and adm.stats.stalls == 1
+        wait_for(lambda: adm.stats.dropped_slow == 1, timeout=6)  # the silent one, in the receiver's own time
+        assert adm.pending == 0 and adm.stats.handed_off == 1
+        got[0].sock.close()
+        s.close()
+        silent.close()
+    finally:
+        adm.close()
+        server.close()
+
+
 def test_rate_limited_log_says_how_many_it_held_back(caplog: pytest.LogCaptureFixture) -> None:
     import logging
 

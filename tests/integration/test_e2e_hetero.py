@@ -25,6 +25,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (integration/vllm/ci_s
 pytest.importorskip("kvtransport_vllm", reason="kvtransport-vllm is not installed")
 httpx = pytest.importorskip("httpx")
 
+from kvtransport_vllm.pusher import RECONNECT_BACKOFF  # noqa: E402
+
 from . import stacks  # noqa: E402
 from .test_e2e_pd import (  # noqa: E402
     Proc,
@@ -96,9 +98,11 @@ def complete(url: str, prompt: str, procs: tuple[Proc, ...] = ()) -> list[int]:
 
 
 def warm_up(url: str, pair: str, procs: tuple[Proc, ...]) -> None:
-    """One short P/D request before the checked ones, retried: it opens the decode's side channel to the prefill.
-    On the loaded 2-core CI host that handshake towards a TP2 instance has twice taken longer than its bound
-    (the decode then fails that prefill's waiting requests at once); see docs/notes.md (issue 15)."""
+    """One short P/D request before the checked ones, retried: it opens the decode's side channel to the prefill
+    and the prefill workers' links to the decode workers. On the loaded 2-core CI host that handshake towards a
+    TP2 instance has taken longer than its bound (the decode then fails that prefill's waiting requests at once;
+    see docs/notes.md, issue 15), and a prefill worker whose connect failed leaves that decode worker alone for
+    its RECONNECT_BACKOFF: a retry comes after it (CI once retried twice within it, both refused at once)."""
     body = {"model": "tiny", "prompt": "w5 w6 w7", "max_tokens": 2, "temperature": 0}
     for attempt in range(3):
         with stacks.watch(procs, procs[0].log.parent, f"{pair.replace('>', '')}-warm-up"):
@@ -106,8 +110,8 @@ def warm_up(url: str, pair: str, procs: tuple[Proc, ...]) -> None:
         if r.status_code == 200:
             return
         print(f"\n[e2e-hetero] {pair}: warm-up request {attempt + 1} failed (HTTP {r.status_code}); retrying")
-        time.sleep(2)
-    raise AssertionError(f"{pair}: no P/D request got through in 3 tries\n{why_failed(procs)}")
+        time.sleep(RECONNECT_BACKOFF + 1)
+    raise AssertionError(f"{pair}: no P/D request got through in 3 tries\n{why_failed(procs, 40)}")
 
 
 _REFERENCE: dict[str, list[int]] = {}

@@ -57,8 +57,8 @@ class Pair:
         """Drain the prefill side channel (as build_connector_meta does) until ``n`` destinations arrived."""
         def ok() -> bool:
             self.pc._drain_inbox(time.monotonic())
-            src = self.pc.sources.get(xfer)
-            got = len(src.dsts) if src is not None else len(self.pc.orphans.get(xfer, (0, [], 0))[1])
+            src = self.pc.prefill.sources.get(xfer)
+            got = len(src.dsts) if src is not None else len(self.pc.prefill.orphans.get(xfer, (0, [], 0))[1])
             return got >= n
         wait_until(ok)
 
@@ -173,7 +173,7 @@ def test_late_destination_gets_whole_push(pair) -> None:
     assert w.puts[dreq.request_id] == list(zip(src[:2], dst[:2], strict=True))
     assert w.signals == {dreq.request_id: "whole"}
     pr.p.update_from_output(so, empty_output())
-    assert not pr.pc.sources
+    assert not pr.pc.prefill.sources
 
 def test_short_prompt_and_chunked_prefill(pair) -> None:
     pr = pair(max_batched=32)
@@ -317,7 +317,7 @@ def test_decode_partial_prefix_hit_pulls_only_the_tail(pair) -> None:
     pparams, dparams = pr.push_params("tail")
     dreq = make_request(prefix + list(range(900, 920)), params=dparams)
     _decode_admit(pr, dreq)
-    rec = pr.dc.recvs[dreq.request_id]
+    rec = pr.dc.decode.recvs[dreq.request_id]
     assert rec.xfer == "tail"
     preq = make_request(prefix + list(range(900, 920)), params=pparams, max_tokens=1)
     pr.p.add_request(preq)
@@ -473,7 +473,7 @@ def test_pull_with_n2_serves_every_decode_child_then_frees_the_family(pair) -> N
     _decode_admit(pr, d1)
     wait_until(lambda: (step_prefill(), not pr.p.requests)[1])
     assert w.signals == {d0.request_id: "whole", d1.request_id: "whole"}
-    assert not pr.pc.family_size and not pr.pc.family_asked  # nothing kept per family afterwards
+    assert not pr.pc.prefill.family_size and not pr.pc.prefill.family_asked  # nothing kept per family afterwards
     assert_no_leaks(pr.p)
 
 
@@ -518,7 +518,7 @@ def test_lease_renewed_by_live_decode_then_freed_when_it_disconnects(pair) -> No
     dreq = make_request(prompt, params=dparams)
     pr.dc.on_new_request(dreq)  # what add_request does; the decode never schedules it (no free slot, say)
     pr.dc.build_plan(None)
-    wait_until(lambda: (pr.pc._drain_inbox(time.monotonic()) or "x-lease" in pr.pc.holds))
+    wait_until(lambda: (pr.pc._drain_inbox(time.monotonic()) or "x-lease" in pr.pc.prefill.holds))
     preq = make_request(prompt, params=pparams, max_tokens=1)
     pr.p.add_request(preq)
     so = pr.p.schedule()
@@ -530,8 +530,8 @@ def test_lease_renewed_by_live_decode_then_freed_when_it_disconnects(pair) -> No
         assert not plan_of(so).send_release
         pr.p.update_from_output(so, empty_output())
         time.sleep(0.1)
-    assert pr.pc.src_by_req[preq.request_id].holders
-    for c in pr.dc.clients.values():  # the decode goes away
+    assert pr.pc.prefill.src_by_req[preq.request_id].holders
+    for c in pr.dc.decode.clients.values():  # the decode goes away
         c.close()
     released: list[str] = []
 
@@ -582,7 +582,7 @@ def test_debug_hold_keeps_a_decode_request_waiting_and_renewing(pair) -> None:
         pr.d.update_from_output(so, empty_output())
     assert held.status == RequestStatus.WAITING
     assert not pr.d.kv_cache_manager.get_block_ids(held.request_id)[0]
-    wait_until(lambda: (pr.pc._drain_inbox(time.monotonic()) or pr.dc.engine_id in pr.pc.holds.get("x-hold", (0, ()))[1]))
+    wait_until(lambda: (pr.pc._drain_inbox(time.monotonic()) or pr.dc.engine_id in pr.pc.prefill.holds.get("x-hold", (0, ()))[1]))
     _, other = pr.push_params("x-other")
     _decode_admit(pr, make_request(list(range(60, 100)), params=other))
     plain = pair()  # the request flag alone does nothing
@@ -604,7 +604,7 @@ def test_a_pull_for_a_freed_transfer_is_refused_without_an_engine_step(pair) -> 
     _decode_admit(pr, d0)
     wait_until(lambda: (pr.p.update_from_output(
         so := pr.p.schedule(), empty_output(sending=set(plan_of(so).send_release))), not pr.p.requests)[1])
-    assert kv["remote_request_id"] in pr.pc.gone
+    assert kv["remote_request_id"] in pr.pc.prefill.gone
     late = make_request(prompt, params=dict(kv))
     _decode_admit(pr, late)  # no prefill schedule() from here on: the engine is idle
     failed: list = []
@@ -686,7 +686,7 @@ def test_decode_above_admit_below_allocates_only_when_the_prefill_is_ready(pair)
         assert dreq.status == RequestStatus.WAITING and not plan_of(so).recv_start
         assert pr.d.kv_cache_manager.block_pool.get_num_free_blocks() == 999  # nothing allocated for it
     assert gauges == {"recv_unallocated": 1, "recv_in_progress": 0}
-    wait_until(lambda: (pr.pc._drain_inbox(time.monotonic()), "x-ready" in pr.pc.holds)[1])  # its renewal
+    wait_until(lambda: (pr.pc._drain_inbox(time.monotonic()), "x-ready" in pr.pc.prefill.holds)[1])  # its renewal
     preq = make_request(prompt, params=pparams, max_tokens=1)
     pr.p.add_request(preq)
     w = PrefillWorkers()
@@ -819,7 +819,7 @@ def test_decode_requests_are_bound_to_the_prefill_workers_that_push_them(pair) -
     wait_until(told)
     assert bound[dreq.request_id] == {0: "prefill-worker-0"}
     addr = (pr.pc.host, pr.pc.port)
-    assert pr.dc.prefill_senders[addr] == {0: "prefill-worker-0"}
+    assert pr.dc.decode.prefill_senders[addr] == {0: "prefill-worker-0"}
 
 
 def test_fanout_release_waits_for_every_destination(pair) -> None:
@@ -1194,7 +1194,7 @@ def test_the_first_token_goes_to_the_waiting_requests_of_its_transfer_and_prefil
     the others are left as they are, wherever they stand in the list. Each applied one is counted once, handed
     to the API server's emitter unless it asked for logprobs, and traced."""
     from kvtransport_vllm.compat import first_token_emitter
-    from kvtransport_vllm.consumer import _FirstWait
+    from kvtransport_vllm.consumer import FirstWait
 
     pr = pair()
     c = pr.dc.decode
@@ -1207,7 +1207,7 @@ def test_the_first_token_goes_to_the_waiting_requests_of_its_transfer_and_prefil
         if output:
             req.append_output_token_ids(5)
         req.sampling_params.logprobs = logprobs
-        c.first_waits[req.request_id] = _FirstWait(req, xfer, at, plen, applied)
+        c.first_waits[req.request_id] = FirstWait(req, xfer, at, plen, applied)
         return req
 
     skipped = [wait("y", addr), wait("x", ("127.0.0.1", 2)), wait("x", addr, applied=True),
@@ -1265,15 +1265,15 @@ def test_landed_receives_are_forgotten_and_traced_within_a_bound(pair, tmp_path,
     """The workers' report of landed receives: those requests leave the decode's receive, lease and first-token
     books (the others stay); traced, the newest TRACED_REPORTED wait for their first schedule, the oldest go."""
     from kvtransport_vllm import consumer as consumer_mod
-    from kvtransport_vllm.consumer import _FirstWait, _Recv
+    from kvtransport_vllm.consumer import FirstWait, Receive
 
     monkeypatch.setattr(consumer_mod, "TRACED_REPORTED", 2)
     c = pair().dc.decode
     addr = ("127.0.0.1", 1)
     for rid in ("a", "b", "c", "keep"):
-        c.recvs[rid] = _Recv(rid, "x", addr, 0.0)
+        c.recvs[rid] = Receive(rid, "x", addr, 0.0)
         c.wanted[rid] = ("x", addr)
-        c.first_waits[rid] = _FirstWait(None, "x", addr, 40)
+        c.first_waits[rid] = FirstWait(None, "x", addr, 40)
     trace.configure(str(tmp_path / "trace"), "decode-scheduler")
     try:
         c.landed({"a"})
@@ -1416,7 +1416,7 @@ def test_matched_tokens_claim_the_prompt_once_admitted_and_wait_for_a_first_toke
     """``get_num_new_matched_tokens``: the remote KV covers the prompt as the client sent it (a first-token
     request's is one token shorter than its prompt once #1 is appended); a request that continues from its
     prefill's first token waits for it even when its prompt was found locally, unless doomed."""
-    from kvtransport_vllm.consumer import _FirstWait
+    from kvtransport_vllm.consumer import FirstWait
     from kvtransport_vllm.metadata import Failure, FailureKind
 
     c, req, addr = _decode_role(pair, "mt1")
@@ -1424,7 +1424,7 @@ def test_matched_tokens_claim_the_prompt_once_admitted_and_wait_for_a_first_toke
     assert c.get_num_new_matched_tokens(req, 0) == (64, True)
     assert c.get_num_new_matched_tokens(req, 63) == (1, True)
     assert c.get_num_new_matched_tokens(req, 64) == (0, False)
-    first = c.first_waits[rid] = _FirstWait(req, "mt1", addr, 63)  # #1 appended: the client's prompt was 63
+    first = c.first_waits[rid] = FirstWait(req, "mt1", addr, 63)  # #1 appended: the client's prompt was 63
     assert c.get_num_new_matched_tokens(req, 0) == (63, True)
     assert c.get_num_new_matched_tokens(req, 63) == (None, False)  # found locally: wait for the first token
     c.doomed[rid] = Failure(FailureKind.ADMISSION_TIMEOUT, "x")
@@ -1462,10 +1462,10 @@ def test_admission_waits_for_the_prefill_then_dooms_on_a_dead_channel_or_past_th
     monkeypatch.setattr(consumer_mod.time, "monotonic", lambda: now[0])
     c.arrived[rid] = now[0] - c.settings.transfer_timeout  # at the timeout, not past it
     assert c._admit_now(rid, params) is False and rid not in c.doomed
-    monkeypatch.setattr(c.side, "_drain_inbox", lambda t: c.ready_xfers.setdefault("ad1", t))
+    monkeypatch.setattr(c, "drain_inbox", lambda t: c.ready_xfers.setdefault("ad1", t))
     assert c._admit_now(rid, params) is True and c.ready_xfers["ad1"] == 1000.0
     del c.ready_xfers["ad1"]
-    monkeypatch.setattr(c.side, "_drain_inbox", lambda t: None)
+    monkeypatch.setattr(c, "drain_inbox", lambda t: None)
     now[0] += 0.001  # past the timeout
     assert c._admit_now(rid, params) is True
     assert c.doomed.pop(rid) == Failure(
@@ -1482,12 +1482,14 @@ def test_admission_waits_for_the_prefill_then_dooms_on_a_dead_channel_or_past_th
 def test_the_cache_usage_read_for_admission(pair) -> None:
     from types import SimpleNamespace
 
-    c = pair().dc.decode
-    c.side.block_pool = None
+    pr = pair()
+    c = pr.dc.decode
+    assert c.block_pool is pr.d.kv_cache_manager.block_pool  # vLLM's own, bound through the scheduler side
+    c.block_pool = None
     assert c._kv_usage() == 0.0
-    c.side.block_pool = SimpleNamespace(get_usage=lambda: 0.75)
+    c.block_pool = SimpleNamespace(get_usage=lambda: 0.75)
     assert c._kv_usage() == 0.75
-    c.side.block_pool = SimpleNamespace()  # no get_usage: treated as empty
+    c.block_pool = SimpleNamespace()  # no get_usage: treated as empty
     assert c._kv_usage() == 0.0
 
 
@@ -1519,7 +1521,7 @@ def test_worker_links_open_once_and_reopen_a_dead_one_only_after_the_retry_time(
     first = c._worker_links(addr)
     assert first == made and [(m.args[:2], m.kw) for m in made] == [
         (("10.0.0.1", 7), {"secret": b"s" * 32, "worker": True}), (("10.0.0.1", 8), {"secret": b"s" * 32, "worker": True})]
-    assert made[0].args[2:] == (c.side.hello, c.side.compat, c.side.inbox, c.settings.connect_timeout)
+    assert made[0].args[2:] == (c.hello, c.compat, c.inbox, c.settings.connect_timeout)
     retry = 0.5 + consumer_mod.WORKER_LINK_RETRY_S
     assert c._link_retry == {("10.0.0.1", 5, 0): retry, ("10.0.0.1", 5, 1): retry}
     assert c._worker_links(addr) == first and len(made) == 2  # kept
@@ -1534,13 +1536,13 @@ def test_worker_links_open_once_and_reopen_a_dead_one_only_after_the_retry_time(
 def test_a_lost_prefill_fails_its_receives_dooms_its_unallocated_requests_and_drops_its_links(pair) -> None:
     """``lost``: that prefill's receives fail (PREFILL_LOST, with the reason; an earlier failure stays), its
     requests not allocated yet are doomed, its workers and their links are forgotten; another prefill's stay."""
-    from kvtransport_vllm.consumer import _Recv
+    from kvtransport_vllm.consumer import Receive
     from kvtransport_vllm.metadata import Failure, FailureKind
 
     c = pair().dc.decode
     a, b = ("10.0.0.1", 5), ("10.0.0.2", 6)
     refused = Failure(FailureKind.REFUSED, "earlier")
-    c.recvs.update({"r1": _Recv("r1", "x1", a, 0.0), "r2": _Recv("r2", "x2", a, 0.0), "r3": _Recv("r3", "x3", b, 0.0)})
+    c.recvs.update({"r1": Receive("r1", "x1", a, 0.0), "r2": Receive("r2", "x2", a, 0.0), "r3": Receive("r3", "x3", b, 0.0)})
     c._recv_fail["r2"] = refused
     c.wanted.update({"r1": ("x1", a), "r3": ("x3", b), "w4": ("x4", a), "w5": ("x5", a), "w6": ("x6", b)})
     c.consumed.add("w5")  # allocated already (found locally): not doomed
@@ -1554,11 +1556,11 @@ def test_a_lost_prefill_fails_its_receives_dooms_its_unallocated_requests_and_dr
 
 
 def test_a_refused_transfer_fails_only_a_receive_in_progress(pair) -> None:
-    from kvtransport_vllm.consumer import _Recv
+    from kvtransport_vllm.consumer import Receive
     from kvtransport_vllm.metadata import Failure, FailureKind
 
     c = pair().dc.decode
-    c.recvs["r1"] = _Recv("r1", "x1", ("h", 1), 0.0)
+    c.recvs["r1"] = Receive("r1", "x1", ("h", 1), 0.0)
     c.wanted.update({"r1": ("x1", ("h", 1)), "w2": ("x2", ("h", 1))})
     c.on_event(("fail", "r1", "no room"), time.monotonic())
     c.on_event(("fail", "w2", "no room"), time.monotonic())  # not receiving: nothing to fail
@@ -1581,13 +1583,13 @@ def test_new_blocks_are_the_trailing_ones_of_every_group(groups: Any, unhashed: 
 
 
 def test_a_request_awaits_its_first_token_only_while_allocated_and_not_applied(pair) -> None:
-    from kvtransport_vllm.consumer import _FirstWait, _Recv
+    from kvtransport_vllm.consumer import FirstWait, Receive
 
     c = pair().dc.decode
     req = make_request(list(range(10, 50)))
-    first = c.first_waits[req.request_id] = _FirstWait(req, "x", ("h", 1), 40)
+    first = c.first_waits[req.request_id] = FirstWait(req, "x", ("h", 1), 40)
     assert c.awaits_first_token() is False  # not allocated yet
-    c.recvs[req.request_id] = _Recv(req.request_id, "x", ("h", 1), 0.0)
+    c.recvs[req.request_id] = Receive(req.request_id, "x", ("h", 1), 0.0)
     assert c.awaits_first_token() is True
     first.applied = True
     assert c.awaits_first_token() is False
@@ -1597,12 +1599,12 @@ def test_an_aborted_first_token_request_is_forgotten_everywhere(pair) -> None:
     """Aborted between its allocation and its plan (direct calls), with a first token on its way to the API server
     and a doom recorded: nothing of it stays, the emitter's entry included."""
     from kvtransport_vllm.compat import first_token_emitter
-    from kvtransport_vllm.consumer import _FirstWait
+    from kvtransport_vllm.consumer import FirstWait
     from kvtransport_vllm.metadata import Failure, FailureKind
 
     c, req, addr = _decode_role(pair, "fa1")
     rid = req.request_id
-    c.first_waits[rid] = _FirstWait(req, "fa1", addr, 64)
+    c.first_waits[rid] = FirstWait(req, "fa1", addr, 64)
     c.update_state_after_alloc(req, _Blocks([[3, 4, 5, 6]], [[5, 6]]), 32)
     c.doomed[rid] = Failure(FailureKind.ADMISSION_TIMEOUT, "x")
     first_token_emitter.add(rid, 77)
@@ -1628,12 +1630,12 @@ def test_a_doomed_request_with_one_token_to_receive_fails_and_keeps_no_lease(pai
 def test_a_first_token_reaches_a_request_without_sampling_params(pair) -> None:
     """A request whose sampling params are None (as a pooling request's are) still gets its first token."""
     from kvtransport_vllm.compat import first_token_emitter
-    from kvtransport_vllm.consumer import _FirstWait
+    from kvtransport_vllm.consumer import FirstWait
 
     c = pair().dc.decode
     req = make_request(list(range(10, 50)))
     req.sampling_params = None
-    c.first_waits[req.request_id] = _FirstWait(req, "x", ("h", 1), 40)
+    c.first_waits[req.request_id] = FirstWait(req, "x", ("h", 1), 40)
     try:
         c._first_token_arrived(("h", 1), "x", 77)
         assert list(req.prompt_token_ids)[-1] == 77 and first_token_emitter.pending.get(req.request_id) == 77
@@ -1670,11 +1672,11 @@ def test_leases_are_renewed_every_third_of_the_lease(pair) -> None:
 def test_events_about_what_is_gone_already_change_nothing_and_raise_nothing(pair) -> None:
     """A refusal or loss for a receive whose lease went already (doomed at allocation), a second ``lost`` for the
     same prefill, a re-welcome of its workers (the old links go)."""
-    from kvtransport_vllm.consumer import _Recv
+    from kvtransport_vllm.consumer import Receive
 
     c = pair().dc.decode
     a = ("10.0.0.1", 5)
-    c.recvs["r"] = _Recv("r", "x", a, 0.0)  # no wanted entry (doomed at allocation)
+    c.recvs["r"] = Receive("r", "x", a, 0.0)  # no wanted entry (doomed at allocation)
     c.on_event(("fail", "r", "no"), 0.0)
     del c._recv_fail["r"]
     c.on_event(("lost", list(a), "reset"), 0.0)

@@ -236,7 +236,7 @@ def test_a_hello_announced_beyond_the_bound_is_dropped_unread(server) -> None:
 def prefill():
     side = SchedulerSide(settings=resolve_settings({"lease": 30}, env={}), engine_id="P", block_size=16,
                          producer=True, consumer=False, compat_info={})
-    yield side
+    yield side.prefill
     side.shutdown()
 
 
@@ -258,7 +258,7 @@ def test_a_decode_cannot_act_on_another_decodes_request(prefill) -> None:
     assert [(d.engine, d.seq, list(d.blocks)) for d in prefill.orphans["x1"][1]] == [("A", "rA", [5, 6])]
     req = SimpleNamespace(request_id="p1", kv_transfer_params={"do_remote_decode": True, "kvt_xfer": "x1",
                                                                 "kvt_fanout": 1}, num_prompt_tokens=20)
-    src = prefill._register_source(req)
+    src = prefill.register_source(req)
     prefill._on_message("B", cancel("x1", ["rA"]), now)
     prefill._on_message("B", cancel("x1", [], count=1), now)  # B does not hold x1
     assert [(d.engine, d.seq, d.cancelled) for d in src.dsts] == [("A", "rA", False)] and src.cancels == 0
@@ -475,17 +475,17 @@ def test_one_decode_cannot_take_every_place_for_early_destinations() -> None:
     sent: list[tuple[str, dict]] = []
     side.server.send = lambda engine, msg: sent.append((engine, msg)) or True  # type: ignore[union-attr]
     try:
-        from kvtransport_vllm import scheduler as sched_mod
+        from kvtransport_vllm import producer as producer_mod
 
-        for i in range(sched_mod.MAX_ORPHANS_PER_ENGINE + 3):
-            side._on_message("greedy", {"type": "dst", "xfer": f"x{i}", "mode": "push",
+        for i in range(producer_mod.MAX_ORPHANS_PER_ENGINE + 3):
+            side.prefill._on_message("greedy", {"type": "dst", "xfer": f"x{i}", "mode": "push",
                                         "dsts": [{"seq": f"s{i}", "blocks": [1], "offset": 0}]}, time.monotonic())
-        assert len(side.orphans) == sched_mod.MAX_ORPHANS_PER_ENGINE
+        assert len(side.prefill.orphans) == producer_mod.MAX_ORPHANS_PER_ENGINE
         assert [m["seqs"] for _, m in sent if m["type"] == "fail"] == [[f"s{i}"] for i in range(
-            sched_mod.MAX_ORPHANS_PER_ENGINE, sched_mod.MAX_ORPHANS_PER_ENGINE + 3)]
-        side._on_message("other", {"type": "dst", "xfer": "y", "mode": "push",
+            producer_mod.MAX_ORPHANS_PER_ENGINE, producer_mod.MAX_ORPHANS_PER_ENGINE + 3)]
+        side.prefill._on_message("other", {"type": "dst", "xfer": "y", "mode": "push",
                                    "dsts": [{"seq": "t", "blocks": [1], "offset": 0}]}, time.monotonic())
-        assert "y" in side.orphans  # another decode still has room
+        assert "y" in side.prefill.orphans  # another decode still has room
     finally:
         side.shutdown()
 

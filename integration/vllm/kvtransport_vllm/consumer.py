@@ -13,32 +13,32 @@ scheduler thread.
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from collections import OrderedDict, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import trace
 from .compat import first_token_emitter
 from .metadata import Failure, FailureKind, StepPlan, TransferParams
+from .roles import RoleContext
 from .sidechannel import PeerClient
-
-if TYPE_CHECKING:
-    from .scheduler import SchedulerSide
 
 log = logging.getLogger("vllm.kvtransport")
 
 WORKER_LINK_RETRY_S = 5.0
-TRACED_REPORTED = 4096
-"""Tracing on: landed requests remembered until their first schedule (``d.scheduled``); the oldest go first."""
 """A prefill worker's destination channel that failed is not reopened sooner (its destinations still reach the
 worker through the prefill's scheduler)."""
+TRACED_REPORTED = 4096
+"""Tracing on: landed requests remembered until their first schedule (``d.scheduled``); the oldest go first."""
 PREFILL_LOST = "prefill lost: "
 """How the reason of a :attr:`FailureKind.PREFILL_LOST` failure begins (as logged)."""
 
 
 @dataclass
-class _Recv:
+class Receive:
     req_id: str
     xfer: str
     addr: tuple[str, int]
@@ -46,7 +46,7 @@ class _Recv:
 
 
 @dataclass
-class _FirstWait:
+class FirstWait:
     """A decode request of the first-token flow: it continues from the token its prefill samples, which comes
     over the side channel (``first``) and is appended to its prompt before it is scheduled."""
 
@@ -58,14 +58,25 @@ class _FirstWait:
 
 
 class Consumer:
-    """The decode's transfers (see the module docstring); ``side`` is the common part it belongs to."""
+    """The decode's transfers (see the module docstring). Made by the scheduler side with what it shares
+    (``ctx``) and the channel this role talks through: the side channel's ``inbox`` (where the clients of prefill
+    engines deliver), ``hello`` and ``compat`` (what a client says and checks on connect), and ``drain_inbox``
+    (handle what is queued there now, given the time; the scheduler side routes each event to its role).
+    ``block_pool``: vLLM's, once bound (its usage decides eager admission)."""
 
-    def __init__(self, side: SchedulerSide) -> None:
-        self.side = side
-        self.settings = side.settings
-        self.counters = side.counters  # shared with the common part (it reports and resets them)
+    def __init__(self, ctx: RoleContext, *, inbox: queue.Queue[tuple[Any, ...]],
+                 hello: Callable[[], dict[str, Any]], compat: Callable[[], tuple[str, dict[str, Any]]],
+                 drain_inbox: Callable[[float], None]) -> None:
+        self.ctx = ctx
+        self.settings = ctx.settings
+        self.counters = ctx.counters  # shared with the common part (it reports and resets them)
+        self.inbox = inbox
+        self.hello = hello
+        self.compat = compat
+        self.drain_inbox = drain_inbox
+        self.block_pool: Any = None
         self.clients: dict[tuple[str, int], PeerClient] = {}
-        self.recvs: dict[str, _Recv] = {}
+        self.recvs: dict[str, Receive] = {}
         self.consumed: set[str] = set()
         self._outgoing: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
         self._recv_start: dict[str, float] = {}
@@ -80,7 +91,7 @@ class Consumer:
         self.arrived: dict[str, float] = {}  # decode push-flow req -> when it arrived (admission bound)
         self.ready_xfers: OrderedDict[str, float] = OrderedDict()  # transfers a prefill said it is about to run
         self.doomed: dict[str, Failure] = {}  # decode req -> why its KV cannot come (admitted only to fail)
-        self.first_waits: dict[str, _FirstWait] = {}  # decode req -> its first-token wait (until it is scheduled)
+        self.first_waits: dict[str, FirstWait] = {}  # decode req -> its first-token wait (until it is scheduled)
         self._first_ready: set[str] = set()  # decode reqs whose first token was appended (workers may report them)
         self.worker_at: dict[tuple[str, int], dict[int, tuple[str, int]]] = {}  # prefill -> its workers' channels
         self.worker_links: dict[tuple[str, int, int], PeerClient] = {}  # (prefill host, port, rank) -> link
@@ -91,7 +102,7 @@ class Consumer:
     # ------------------------------------------------------------------ vLLM hooks (decode requests)
     def on_new_request(self, request: Any) -> None:
         """Take a lease on the transfer at once (the prefill then knows who holds it)."""
-        params = self.side.params(request)  # checked (the scheduler side refused a request with bad ones)
+        params = self.ctx.params(request)  # checked (the scheduler side refused a request with bad ones)
         addr, xfer = params.side_channel, params.transfer
         if addr is not None and xfer:
             self.wanted[request.request_id] = (xfer, addr)
@@ -99,12 +110,12 @@ class Consumer:
             self._outgoing[addr].append({"type": "renew", "xfers": [xfer]})
             trace.event("d.new", xfer, seq=request.request_id)
             if params.first_token and params.xfer:
-                self.first_waits[request.request_id] = _FirstWait(request, xfer, addr, int(request.num_prompt_tokens))
+                self.first_waits[request.request_id] = FirstWait(request, xfer, addr, int(request.num_prompt_tokens))
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Claim the rest of the prompt for remote KV ``(n, True)`` once admitted (:meth:`_admit_now`),
         ``(None, False)`` until then."""
-        params = self.side.params(request)
+        params = self.ctx.params(request)
         if request.request_id in self.consumed or not params.side_channel:
             return 0, False
         if self.settings.debug_hold and params.debug_hold:
@@ -119,7 +130,7 @@ class Consumer:
 
     def _kv_usage(self) -> float:
         try:
-            pool = self.side.block_pool
+            pool = self.block_pool
             return float(pool.get_usage()) if pool is not None else 0.0
         except Exception:  # a pool without get_usage: treat as empty
             return 0.0
@@ -135,7 +146,7 @@ class Consumer:
         if rid in self.doomed or xfer in self.ready_xfers or self._kv_usage() < self.settings.admit_below:
             return True
         now = time.monotonic()
-        self.side._drain_inbox(now)
+        self.drain_inbox(now)
         if rid in self.doomed or xfer in self.ready_xfers:
             return True
         addr = params.side_channel
@@ -152,7 +163,7 @@ class Consumer:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Record the allocated destination blocks and queue them for the prefill side."""
-        params = self.side.params(request)
+        params = self.ctx.params(request)
         if request.request_id in self.consumed:
             return
         addr = params.side_channel
@@ -170,7 +181,7 @@ class Consumer:
             if num_external_tokens <= 0:
                 return
         offset, unhashed, extra = new_blocks(blocks)
-        self.recvs[rid] = _Recv(rid, xfer, addr, time.monotonic())
+        self.recvs[rid] = Receive(rid, xfer, addr, time.monotonic())
         self._recv_start[rid] = self.settings.transfer_timeout
         first = self.first_waits.get(rid)
         if first is not None and not first.applied:
@@ -208,7 +219,7 @@ class Consumer:
             self._recv_start.pop(rid, None)
             self._outgoing[rec.addr].append({"type": "cancel", "xfer": rec.xfer, "seqs": [rid], "count": 0})
         elif rid not in self.consumed:
-            params = self.side.params(request)
+            params = self.ctx.params(request)
             addr, xfer = params.side_channel, params.transfer
             if addr is not None and xfer:  # never allocated: the prefill should not wait (push) or hold (pull)
                 self._outgoing[addr].append({"type": "cancel", "xfer": xfer, "seqs": [], "count": 1,
@@ -342,7 +353,7 @@ class Consumer:
     def _client(self, addr: tuple[str, int]) -> PeerClient:
         c = self.clients.get(addr)
         if c is None or c.dead:
-            c = PeerClient(addr[0], addr[1], self.side.hello, self.side.compat, self.side.inbox,
+            c = PeerClient(addr[0], addr[1], self.hello, self.compat, self.inbox,
                            self.settings.connect_timeout, secret=self.settings.secret)
             self.clients[addr] = c
         return c
@@ -383,7 +394,7 @@ class Consumer:
                 if now < self._link_retry.get(key, 0.0):
                     continue
                 self._link_retry[key] = now + WORKER_LINK_RETRY_S
-                link = PeerClient(host, port, self.side.hello, self.side.compat, self.side.inbox,
+                link = PeerClient(host, port, self.hello, self.compat, self.inbox,
                                   self.settings.connect_timeout, secret=self.settings.secret, worker=True)
                 self.worker_links[key] = link
             out.append(link)

@@ -23,9 +23,9 @@ from kvtransport.admission import RateLimitedLog
 from . import trace
 from .metadata import MAX_FANOUT, Bind, SourceStep, StepPlan
 from .pushplan import MAX_ORPHAN_BLOCKS, MAX_ORPHAN_BLOCKS_PER_ENGINE, MAX_PENDING, ORPHAN_ENTRY_COST
+from .roles import RoleContext
 
 if TYPE_CHECKING:
-    from .scheduler import SchedulerSide
     from .sidechannel import SideChannelServer
 
 log = logging.getLogger("vllm.kvtransport")
@@ -60,7 +60,7 @@ ids filled (issue 29)."""
 _CHILD = re.compile(r"^\d+_")
 
 
-def _orphan_cost(d: _Dst) -> int:
+def _orphan_cost(d: Destination) -> int:
     """What early destination ``d`` costs: pushplan.orphan_cost (block ids of every KV cache group plus
     ORPHAN_ENTRY_COST), without building a Bind (it copies the block ids)."""
     return ORPHAN_ENTRY_COST + len(d.blocks) + sum(len(g) for g in d.extra)
@@ -72,7 +72,7 @@ def sampling_family(req_id: str) -> str | None:
 
 
 @dataclass
-class _Dst:
+class Destination:
     engine: str
     seq: str
     blocks: Sequence[int]  # as the message brought them: an array('I') off a packed frame (protocol.PACKED)
@@ -91,7 +91,7 @@ class _Dst:
 
 
 @dataclass
-class _Source:
+class Source:
     """A prefill request whose KV goes to one or more decode requests."""
 
     req_id: str
@@ -102,7 +102,7 @@ class _Source:
     blocks: list[int] = field(default_factory=list)
     extra: list[list[int]] = field(default_factory=list)  # KV cache groups 1.. (hybrid models), aligned with blocks
     computed: int = 0
-    dsts: list[_Dst] = field(default_factory=list)
+    dsts: list[Destination] = field(default_factory=list)
     msgs: int = 0
     cancels: int = 0
     complete: bool = False
@@ -148,7 +148,7 @@ class _Share:
     """xfer -> destinations this engine said will not come"""
 
 
-def _groups(block_ids: Any) -> list[list[int]]:
+def block_groups(block_ids: Any) -> list[list[int]]:
     """A finished request's blocks per KV cache group: vLLM hands one list (one group) or, to an HMA
     connector, one list per group."""
     if block_ids and isinstance(block_ids[0], list | tuple):
@@ -157,16 +157,23 @@ def _groups(block_ids: Any) -> list[list[int]]:
 
 
 class Producer:
-    """The prefill's transfers (see the module docstring); ``side`` is the common part it belongs to."""
+    """The prefill's transfers (see the module docstring). Made by the scheduler side with what it shares
+    (``ctx``), the geometry verdicts it keeps (``unmappable``: decode engine -> why its KV cache cannot take
+    ours, updated in place as hellos come) and this engine's place among its data-parallel siblings
+    (``dp_route``: index, count). The side-channel server comes with :meth:`attach` (it needs
+    :meth:`answer_now` first)."""
 
-    def __init__(self, side: SchedulerSide) -> None:
-        self.side = side
-        self.settings = side.settings
-        self.num_groups = side.num_groups
-        self.counters = side.counters  # shared with the common part (it reports and resets them)
-        self.sources: dict[str, _Source] = {}
-        self.src_by_req: dict[str, _Source] = {}
-        self.orphans: dict[str, tuple[float, list[_Dst], int]] = {}  # xfer -> (lease end, dsts, cancels)
+    def __init__(self, ctx: RoleContext, *, unmappable: dict[str, str], dp_route: tuple[int, int] = (0, 1)) -> None:
+        self.ctx = ctx
+        self.settings = ctx.settings
+        self.num_groups = ctx.num_groups
+        self.counters = ctx.counters  # shared with the common part (it reports and resets them)
+        self.unmappable = unmappable
+        self.dp_index, self.dp_count = dp_route
+        self.server: SideChannelServer | None = None
+        self.sources: dict[str, Source] = {}
+        self.src_by_req: dict[str, Source] = {}
+        self.orphans: dict[str, tuple[float, list[Destination], int]] = {}  # xfer -> (lease end, dsts, cancels)
         self.orphan_total = 0  # what every engine's orphans cost together (block ids, see MAX_ORPHANS)
         self._shares: dict[str, _Share] = {}  # decode engine -> its orphans
         self._orphan_engines: dict[str, set[str]] = {}  # xfer -> engines holding an orphan entry of it
@@ -187,12 +194,25 @@ class Producer:
         self._cancels: list[tuple[str, str]] = []  # (xfer, seq) destinations the workers must stop putting to
         self._dropped: list[str] = []  # prefill requests given up: the workers forget them
 
+    def attach(self, server: SideChannelServer) -> None:
+        """The side-channel server the scheduler side started for this engine (its ``dst``/``renew``/``bye``
+        come through the inbox; ``ready``, ``first`` and failures go out through it)."""
+        self.server = server
+
     @property
-    def server(self) -> SideChannelServer | None:
-        return self.side.server
+    def port(self) -> int:
+        """The side channel's port (0 before :meth:`attach`)."""
+        return self.server.port if self.server is not None else 0
+
+    def discovery_params(self) -> dict[str, Any]:
+        """What a proxy needs to address this prefill engine's side channel, and to route a prefill leg to it
+        under data parallelism: the ``X-data-parallel-rank`` value that reaches it (``kvt_dp_rank``) among
+        ``kvt_dp_size`` engines behind this API server."""
+        return {"kvt_host": self.settings.address, "kvt_port": self.port, "kvt_engine_id": self.ctx.engine_id,
+                "kvt_mode": self.settings.mode, "kvt_dp_rank": self.dp_index, "kvt_dp_size": self.dp_count}
 
     # ------------------------------------------------------------------ vLLM hooks (prefill requests)
-    def _send_ready(self, src: _Source) -> None:
+    def _send_ready(self, src: Source) -> None:
         """Tell each decode engine holding ``src``'s transfer (and not told yet) that it may allocate now."""
         if self.server is None:
             return
@@ -205,9 +225,9 @@ class Producer:
         """Keep the blocks (True) until the workers pushed them; returns NIXL-compatible ``kv_transfer_params``
         for the decode side."""
         rid = request.request_id
-        if self.side.params(request).discover:
+        if self.ctx.params(request).discover:
             self._drop_source(rid)
-            return False, self.side.discovery_params()
+            return False, self.discovery_params()
         src = self.src_by_req.get(rid)
         if src is None:
             src = self.register_source(request)
@@ -226,7 +246,7 @@ class Producer:
             return False, None
         status = getattr(request.status, "name", str(request.status))
         trace.event("p.finished", src.xfer, req=rid)
-        groups = _groups(block_ids)
+        groups = block_groups(block_ids)
         block_ids = groups[0]
         if status in FINISHED_OK and block_ids:
             if src.first_token and src.first is None and request.num_output_tokens > 0:
@@ -240,9 +260,9 @@ class Producer:
             src.delay_freed = True
             out = {
                 "do_remote_prefill": True, "do_remote_decode": False,
-                "remote_block_ids": list(block_ids), "remote_engine_id": self.side.engine_id,
-                "remote_request_id": src.xfer, "remote_host": self.side.host, "remote_port": self.side.port,
-                "tp_size": self.side.tp_size, "remote_num_tokens": src.prompt_len,
+                "remote_block_ids": list(block_ids), "remote_engine_id": self.ctx.engine_id,
+                "remote_request_id": src.xfer, "remote_host": self.settings.address, "remote_port": self.port,
+                "tp_size": self.ctx.tp_size, "remote_num_tokens": src.prompt_len,
                 "kvt_connector": "kvtransport",
             }
             if src.mode == "push":
@@ -291,15 +311,15 @@ class Producer:
             del self.holds[xfer]
 
     # ------------------------------------------------------------------ internals
-    def register_source(self, request: Any) -> _Source:
+    def register_source(self, request: Any) -> Source:
         rid = request.request_id
         src = self.src_by_req.get(rid)
         if src is not None:
             return src
-        params = self.side.params(request)  # checked (the scheduler side refused a request with bad ones)
+        params = self.ctx.params(request)  # checked (the scheduler side refused a request with bad ones)
         push = params.xfer is not None
         xfer = params.xfer if params.xfer is not None else rid
-        src = _Source(rid, xfer, "push" if push else "pull", params.fanout, int(request.num_prompt_tokens),
+        src = Source(rid, xfer, "push" if push else "pull", params.fanout, int(request.num_prompt_tokens),
                       debug_delay=params.debug_delay and self.settings.debug_push_delay > 0,
                       discover=params.discover, first_token=push and params.first_token)
         trace.event("p.new", xfer, req=rid)
@@ -332,16 +352,16 @@ class Producer:
         return src
 
     @staticmethod
-    def _family(src: _Source) -> str | None:
+    def _family(src: Source) -> str | None:
         """The sampling family whose pulls ``src`` shares (pull mode, n unknown: see family_size)."""
         return sampling_family(src.req_id) if src.mode == "pull" and src.fanout == 1 else None
 
-    def _family_served(self, src: _Source) -> bool:
+    def _family_served(self, src: Source) -> bool:
         """Every child of ``src``'s family has asked (or cancelled): no further pull will come."""
         fam = self._family(src)
         return fam is not None and self.family_asked.get(fam, 0) >= self.family_size.get(fam, 1)
 
-    def _family_asks(self, src: _Source, count: int) -> None:
+    def _family_asks(self, src: Source, count: int) -> None:
         fam = self._family(src)
         if fam is not None and count:
             self.family_asked[fam] = self.family_asked.get(fam, 0) + count
@@ -404,11 +424,11 @@ class Producer:
             self._renewed(engine, [str(x) for x in msg.get("xfers", [])], now)
             return
         if mtype == "dst":
-            dsts = [_Dst(engine, d["seq"], d["blocks"], d["offset"], extra=list(d.get("groups", [])))
+            dsts = [Destination(engine, d["seq"], d["blocks"], d["offset"], extra=list(d.get("groups", [])))
                     for d in msg.get("dsts", [])]
-            if engine in self.side.unmappable:
+            if engine in self.unmappable:
                 for d in dsts:
-                    self.send_fail(engine, [d.seq], self.side.unmappable[engine])
+                    self.send_fail(engine, [d.seq], self.unmappable[engine])
                 return
             for d in [d for d in dsts if len(d.extra) != self.num_groups - 1]:
                 self.send_fail(engine, [d.seq], f"KV cache groups differ: decode {len(d.extra) + 1}, prefill "
@@ -497,7 +517,7 @@ class Producer:
         self._orphan_engines.setdefault(key[0], set()).add(engine)
         return None
 
-    def _hold(self, engine: str, xfer: str, d: _Dst, now: float) -> str | None:
+    def _hold(self, engine: str, xfer: str, d: Destination, now: float) -> str | None:
         """Hold early destination ``d`` of ``engine`` for ``xfer`` within the budgets; None (held, or the same
         destination is held already) or why it is refused."""
         share = self._shares.get(engine)
@@ -615,7 +635,7 @@ class Producer:
             del self.orphans[xfer]
             self._orphan_engines.pop(xfer, None)
 
-    def _pop_orphan(self, xfer: str) -> tuple[float, list[_Dst], int]:
+    def _pop_orphan(self, xfer: str) -> tuple[float, list[Destination], int]:
         """Take ``xfer``'s orphan out (its prefill request arrived, or its lease ended) and out of the budgets."""
         entry = self.orphans.pop(xfer)
         for d in entry[1]:
@@ -639,7 +659,7 @@ class Producer:
         self._orphan_cancels = []
         return out
 
-    def _tell_first(self, src: _Source) -> None:
+    def _tell_first(self, src: Source) -> None:
         """Send ``src``'s first token to every decode engine that holds or receives its transfer (not told yet)."""
         if self.server is None or src.first is None:
             return
@@ -675,7 +695,7 @@ class Producer:
                     src.extra[g].extend(more)
             self._advance(src, cached.num_computed_tokens[i], so.num_scheduled_tokens.get(rid, 0), plan)
 
-    def _advance(self, src: _Source, before: int, scheduled: int, plan: StepPlan) -> None:
+    def _advance(self, src: Source, before: int, scheduled: int, plan: StepPlan) -> None:
         """``src`` computes prompt tokens ``[before, before + scheduled)`` in this step: tell the workers (they put
         its layers into the destinations bound so far as the forward computes them), and the decodes holding it
         that it runs (they may allocate now)."""
@@ -765,13 +785,13 @@ class Producer:
                 log.warning("kvtransport: prefill request %s (transfer %s): %s; freeing its blocks",
                             src.req_id, src.xfer, src.failed)
 
-    def _fail_dsts(self, src: _Source, reason: str) -> None:
+    def _fail_dsts(self, src: Source, reason: str) -> None:
         for d in src.dsts:
             if not d.cancelled:
                 self.send_fail(d.engine, [d.seq], reason)
                 self._cancel(src, d)
 
-    def _cancel(self, src: _Source, d: _Dst) -> None:
+    def _cancel(self, src: Source, d: Destination) -> None:
         """No more puts to ``d`` (told to the workers when they have it)."""
         if not d.cancelled and d.forwarded:
             self._cancels.append((src.xfer, d.seq))

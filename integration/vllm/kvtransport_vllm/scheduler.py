@@ -34,10 +34,9 @@ from typing import Any
 from . import trace
 from .bootstrap import BootstrapServer, DPRegistry, dp_query_answer, query_answer
 from .config import ConnectorSettings
-from .consumer import PREFILL_LOST, Consumer, _FirstWait, _Recv, append_prompt_token, new_blocks
+from .consumer import Consumer, new_blocks
 from .metadata import (
     NO_PARAMS,
-    NULL_BLOCK,
     FailureKind,
     SendFailure,
     StepPlan,
@@ -45,22 +44,12 @@ from .metadata import (
     TransferParamsError,
     parse_transfer_params,
 )
-from .producer import (
-    FINISHED_OK,
-    MAX_ORPHANS,
-    MAX_ORPHANS_PER_ENGINE,
-    Producer,
-    _Dst,
-    _groups,
-    _Source,
-    sampling_family,
-)
+from .producer import Producer
 from .protocol import PROTOCOL_VERSION, b64, compat_hash
-from .sidechannel import PeerClient, SideChannelServer
+from .roles import RoleContext
+from .sidechannel import SideChannelServer
 
-__all__ = ["FINISHED_OK", "IDLE_INBOX_WAIT_S", "MAX_ORPHANS", "MAX_ORPHANS_PER_ENGINE", "NULL_BLOCK", "PREFILL_LOST",
-           "Consumer", "Producer", "SchedulerSide", "_Dst", "_FirstWait", "_Recv", "_Source", "_groups",
-           "append_prompt_token", "sampling_family", "transfer_params_kind"]
+__all__ = ["IDLE_INBOX_WAIT_S", "SchedulerSide", "transfer_params_kind"]
 
 log = logging.getLogger("vllm.kvtransport")
 
@@ -124,7 +113,6 @@ class SchedulerSide:
         self._new_peers: set[str] = set()
         self.counters: dict[str, int] = {"lease_expirations": 0, "decode_disconnects": 0,
                                          "first_tokens_sent": 0, "first_tokens_received": 0}
-        self.block_pool: Any = None  # vLLM's block pool (bind_gpu_block_pool): usage decides eager admission
         self._gauges_sent: dict[str, int] = {}  # gauge values last reported in stats
         # kv_transfer_params: checked once per request (request id -> (the dict, what it says)); requests whose
         # params were refused (-> why), those of them whose failing "load" was claimed (-> its blocks, until the
@@ -134,13 +122,17 @@ class SchedulerSide:
         self._refused_claimed: dict[str, list[int]] = {}
         self._refused_failed: set[str] = set()
         self._refusal_log = [0.0, 0, 0]  # start of the minute, lines logged in it, refusals not logged
-        self.prefill = Producer(self) if producer else None
-        self.decode = Consumer(self) if consumer else None
+        ctx = RoleContext(settings=settings, engine_id=engine_id, tp_size=tp_size, num_groups=num_groups,
+                          counters=self.counters, params=self.params)
+        self.prefill = Producer(ctx, unmappable=self.unmappable, dp_route=dp_route) if producer else None
+        self.decode = Consumer(ctx, inbox=self.inbox, hello=self.hello, compat=self.compat,
+                               drain_inbox=self._drain_inbox) if consumer else None
         if self.prefill is not None:  # last: its threads call compat, answer_now and _sender_ids at once
             self.server = SideChannelServer(self.host, settings.side_channel_port, engine_id, self.compat,
                                             self.inbox, settings.connect_timeout, lease=settings.lease,
                                             answer_now=self.prefill.answer_now, secret=settings.secret,
                                             senders=self._sender_ids, worker_at=self._worker_at)
+            self.prefill.attach(self.server)
             self.port = self.server.port
             log.info("kvtransport connector: side channel of engine %s on %s:%d", engine_id, self.host, self.port)
             if settings.bootstrap_port:  # Mooncake's endpoint, for the routers that speak its shape
@@ -224,13 +216,6 @@ class SchedulerSide:
         return {"type": "hello", "version": PROTOCOL_VERSION, "engine_id": self.engine_id, "compat": h,
                 "compat_info": info, "tp_size": self.tp_size, "geometry": self.geometry(),
                 "workers": {str(r): b64(m["metadata"]) for r, m in self.worker_meta.items()}}
-
-    def discovery_params(self) -> dict[str, Any]:
-        """What a proxy needs to address this prefill engine's side channel, and to route a prefill leg to it
-        under data parallelism: the ``X-data-parallel-rank`` value that reaches it (``kvt_dp_rank``) among
-        ``kvt_dp_size`` engines behind this API server."""
-        return {"kvt_host": self.host, "kvt_port": self.port, "kvt_engine_id": self.engine_id,
-                "kvt_mode": self.settings.mode, "kvt_dp_rank": self.dp_index, "kvt_dp_size": self.dp_count}
 
     def _take_geometry(self, engine: str, hello: dict[str, Any]) -> None:
         """Record decode ``engine``'s geometry from its hello; an unlike one whose KV we cannot map (a cache
@@ -362,7 +347,8 @@ class SchedulerSide:
 
     def bind_gpu_block_pool(self, block_pool: Any) -> None:
         """vLLM's block pool: its usage decides whether a decode admits push-flow requests at once."""
-        self.block_pool = block_pool
+        if self.decode is not None:
+            self.decode.block_pool = block_pool
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Decode: record the allocated destination blocks and queue them for the prefill side. Refused params:
@@ -493,84 +479,3 @@ class SchedulerSide:
             self.server.close()
         if self.decode is not None:
             self.decode.close()
-
-    # ------------------------------------------------------------------ the roles' state (connector, tests)
-    def _prefill(self) -> Producer:
-        if self.prefill is None:
-            raise AttributeError(f"engine {self.engine_id} is not a prefill (kv_producer/kv_both)")
-        return self.prefill
-
-    def _decode(self) -> Consumer:
-        if self.decode is None:
-            raise AttributeError(f"engine {self.engine_id} is not a decode (kv_consumer/kv_both)")
-        return self.decode
-
-    def _register_source(self, request: Any) -> _Source:
-        return self._prefill().register_source(request)
-
-    def _on_message(self, engine: str, msg: dict[str, Any], now: float) -> None:
-        self._prefill()._on_message(engine, msg, now)
-
-    @property
-    def sources(self) -> dict[str, _Source]:
-        return self._prefill().sources
-
-    @property
-    def src_by_req(self) -> dict[str, _Source]:
-        return self._prefill().src_by_req
-
-    @property
-    def orphans(self) -> dict[str, tuple[float, list[_Dst], int]]:
-        return self._prefill().orphans
-
-    @property
-    def gone(self) -> dict[str, str]:
-        return self._prefill().gone
-
-    @property
-    def holds(self) -> dict[str, tuple[float, set[str]]]:
-        return self._prefill().holds
-
-    @property
-    def family_size(self) -> dict[str, int]:
-        return self._prefill().family_size
-
-    @property
-    def family_asked(self) -> dict[str, int]:
-        return self._prefill().family_asked
-
-    @property
-    def foreign_refused(self) -> int:
-        return self._prefill().foreign_refused
-
-    @property
-    def clients(self) -> dict[tuple[str, int], PeerClient]:
-        return self._decode().clients
-
-    @property
-    def recvs(self) -> dict[str, _Recv]:
-        return self._decode().recvs
-
-    @property
-    def consumed(self) -> set[str]:
-        return self._decode().consumed
-
-    @property
-    def wanted(self) -> dict[str, tuple[str, tuple[str, int]]]:
-        return self._decode().wanted
-
-    @property
-    def arrived(self) -> dict[str, float]:
-        return self._decode().arrived
-
-    @property
-    def prefill_senders(self) -> dict[tuple[str, int], dict[int, str]]:
-        return self._decode().prefill_senders
-
-    @property
-    def ready_xfers(self) -> dict[str, float]:
-        return self._decode().ready_xfers
-
-    @property
-    def first_waits(self) -> dict[str, _FirstWait]:
-        return self._decode().first_waits
