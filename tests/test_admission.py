@@ -241,6 +241,36 @@ def test_a_busy_owner_gets_the_connection_again_until_its_deadline() -> None:
         server.close()
 
 
+def test_a_whole_hello_kept_past_its_deadline_by_a_busy_owner_is_dropped_and_said(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Every handshake slot stays busy: the complete HELLO waits in the ready queue until its deadline, then is
+    dropped (counted slow, never handed over, the peer sees its connection closed) with a warning that says so."""
+    import logging
+
+    offered: list[float] = []
+
+    def busy(h: PendingHello) -> bool:
+        offered.append(time.monotonic())
+        return False
+
+    with caplog.at_level(logging.WARNING, logger="kvtransport"):
+        adm, server = make(busy, preauth_timeout=0.5)
+        try:
+            s = dial(server)
+            t0 = time.monotonic()
+            s.sendall(HEADER.pack(2) + b"ok")
+            wait_for(lambda: adm.stats.dropped_slow == 1)
+            s.settimeout(2)
+            assert s.recv(10) == b""
+            assert len(offered) > 1 and offered[-1] - t0 < 0.5 + 0.2  # offered again and again, not past the deadline
+            assert (adm.stats.handed_off, adm.pending) == (0, 0)
+            s.close()
+        finally:
+            adm.close()
+            server.close()
+    assert any("waited past its deadline for a handshake slot" in r.getMessage() for r in caplog.records)
+
+
 def test_a_hello_that_came_in_time_is_not_dropped_because_the_receiver_was_stalled() -> None:
     """The admission thread gets no CPU for 2.5 s (its ``select`` returns that late; CI's 2-core host under
     twelve engine processes stalled it past 10 s) while a peer sends its whole HELLO at once: the deadline
