@@ -1119,6 +1119,35 @@ def test_each_data_parallel_engine_gets_its_own_side_channel_port(tiny_model: st
 
 
 # ---------------------------------------------------------------- the decode's own bookkeeping, exactly (issue 32)
+class _Link:
+    """A stand-in for a PeerClient the decode holds: counts its closes, never dead."""
+
+    dead = False
+
+    def __init__(self) -> None:
+        self.closed = 0
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def _recording_client(made: list[Any]) -> type:
+    """A PeerClient stand-in class whose instances record their constructor's arguments (``args``, ``kw``) and
+    what is sent through them (``sent``), each appended to ``made`` when built."""
+
+    class Recording(_Link):
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            super().__init__()
+            self.args, self.kw, self.sent = args, kw, []
+            made.append(self)
+
+        def send(self, msg: Any) -> bool:
+            self.sent.append(msg)
+            return True
+
+    return Recording
+
+
 def _forgot(c: Any, rid: str) -> list[str]:
     """What the decode role still holds for ``rid`` (each name an entry a leak would keep)."""
     held = {"recvs": c.recvs, "wanted": c.wanted, "arrived": c.arrived, "doomed": c.doomed,
@@ -1290,14 +1319,8 @@ def test_a_prefills_worker_links_go_with_it_and_no_other(pair) -> None:
     timers too) with it; another prefill's stay."""
     c = pair().dc.decode
 
-    class Link:
-        closed = 0
-
-        def close(self) -> None:
-            self.closed += 1
-
     gone, stays = ("10.0.0.1", 5), ("10.0.0.2", 6)
-    links = {(*gone, 0): Link(), (*gone, 1): Link(), (*stays, 0): Link()}
+    links = {(*gone, 0): _Link(), (*gone, 1): _Link(), (*stays, 0): _Link()}
     c.worker_at = {gone: {0: ("10.0.0.1", 7)}, stays: {0: ("10.0.0.2", 8)}}
     c.worker_links = dict(links)
     c._link_retry = {(*gone, 0): 1.0, (*stays, 0): 2.0}  # rank 1 of the gone prefill has no retry timer
@@ -1503,15 +1526,7 @@ def test_worker_links_open_once_and_reopen_a_dead_one_only_after_the_retry_time(
 
     made: list[Any] = []
 
-    class FakeLink:
-        def __init__(self, *args: Any, **kw: Any) -> None:
-            self.args, self.kw, self.dead = args, kw, False
-            made.append(self)
-
-        def close(self) -> None:
-            pass
-
-    monkeypatch.setattr(consumer_mod, "PeerClient", FakeLink)
+    monkeypatch.setattr(consumer_mod, "PeerClient", _recording_client(made))
     now = [0.5]
     monkeypatch.setattr(consumer_mod.time, "monotonic", lambda: now[0])
     c = pair().dc.decode
@@ -1683,14 +1698,7 @@ def test_events_about_what_is_gone_already_change_nothing_and_raise_nothing(pair
     c.on_event(("lost", list(a), "reset"), 0.0)  # its senders and links are gone already
     assert list(c._recv_fail) == ["r"]
 
-    class Link:
-        closed = 0
-        dead = False
-
-        def close(self) -> None:
-            self.closed += 1
-
-    old = c.worker_links[(*a, 0)] = Link()
+    old = c.worker_links[(*a, 0)] = _Link()
     c.on_event(("workers", list(a), {0: ("10.0.0.1", 9)}), 0.0)
     assert old.closed == 1 and (*a, 0) not in c.worker_links and c.worker_at[a] == {0: ("10.0.0.1", 9)}
 
@@ -1723,21 +1731,7 @@ def test_queued_messages_go_to_the_prefills_channel_with_the_secret_and_to_its_w
 
     made: list[Any] = []
 
-    class FakeClient:
-        dead = False
-
-        def __init__(self, *args: Any, **kw: Any) -> None:
-            self.args, self.kw, self.sent = args, kw, []
-            made.append(self)
-
-        def send(self, msg: Any) -> bool:
-            self.sent.append(msg)
-            return True
-
-        def close(self) -> None:
-            pass
-
-    monkeypatch.setattr(consumer_mod, "PeerClient", FakeClient)
+    monkeypatch.setattr(consumer_mod, "PeerClient", _recording_client(made))
     c = pair().dc.decode
     c.settings = dataclasses.replace(c.settings, secret=b"s" * 32)
     addr = ("10.0.0.1", 5)
