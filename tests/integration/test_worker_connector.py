@@ -9,6 +9,7 @@ from __future__ import annotations
 import queue
 import socket
 import time
+from typing import Any
 
 import pytest
 
@@ -558,3 +559,53 @@ def test_a_release_while_the_connect_is_pending_waits_for_the_puts(pd, monkeypat
     poll(d, "finished_recving", "late")
     for name in src:
         assert torch.equal(src[name][3], dst[name][51]) and torch.equal(src[name][4], dst[name][52])
+
+
+def test_a_push_step_that_raises_fails_its_destinations_at_once(pd, monkeypatch) -> None:
+    """A bug of ours in the step's push path (the planner raising at the step's end): the step's destination
+    fails now, with the reason, and its decode is told in the next report instead of waiting out its 60 s
+    transfer timeout; nothing more is put to it. A destination channel message that raises fails nothing."""
+    p, d, src, _ = pd
+    meta = d.handshake()["metadata"]
+    d.bind(StepPlan(recv_start={"dreq": 60}))
+
+    def broken() -> list[Any]:
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(p.pusher.planner, "step_end", broken)
+    t0 = time.monotonic()
+    step(p, StepPlan(peers={"D": {0: meta}}, sources=[source("preq", (3, 4))], binds=[dest("preq", "dreq", (40, 41))]),
+         src)
+    fails: list[Any] = []
+    while not fails and time.monotonic() < t0 + 10:
+        p.transfer_results()
+        fails = p.take_send_failures()
+        time.sleep(0.01)
+    assert [(f.seq, f.engine) for f in fails] == [("dreq", "D")]
+    assert "step_end: RuntimeError: planted" in fails[0].reason and time.monotonic() - t0 < 10
+    assert p.pusher.failed_seqs["dreq"] == fails[0].reason
+
+
+def test_a_destination_channel_message_that_raises_fails_no_other_push(pd, monkeypatch) -> None:
+    """Any decode can send the destination channel a message; one our code fails on (planted) fails nothing of
+    the step in flight, whose KV still lands whole."""
+    p, d, src, dst = pd
+    meta = d.handshake()["metadata"]
+    d.bind(StepPlan(recv_start={"dreq": 60}))
+
+    def broken(engine: str, msg: Any) -> None:
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(p.pusher, "_direct", broken)
+    p.bind(StepPlan(peers={"D": {0: meta}}, sources=[source("preq", (3, 4))], binds=[dest("preq", "dreq", (40, 41))]))
+    names = list(src)
+    p.save_kv_layer(names[0], src[names[0]])  # the step is in flight: its source is active
+    p.pusher.submit("msg", "D", {"type": "dst"})
+    for name in names[1:]:
+        p.save_kv_layer(name, src[name])
+    p.wait_for_save()
+    poll(d, "finished_recving", "dreq")
+    p.transfer_results()
+    assert p.take_send_failures() == [] and not p.pusher.failed_seqs
+    for name in src:
+        assert torch.equal(src[name][3], dst[name][40]) and torch.equal(src[name][4], dst[name][41])

@@ -6,6 +6,7 @@ placed as vLLM places them), every other byte untouched."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import pytest
 
@@ -74,16 +75,22 @@ def workers(tp: int, bs: int, order: str, **extra) -> tuple[list[WorkerSide], li
     return ws, caches
 
 
-def poll_all(ws: list[WorkerSide], what: str, rid: str, timeout: float = 30) -> None:
+def poll_all(ws: list[WorkerSide], what: str, rid: str, timeout: float = 30,
+             senders: Sequence[WorkerSide] = ()) -> None:
+    """Until every worker of ``ws`` reports ``rid`` in ``what``; fails at once on a failed receive, or on a push
+    failure ``senders`` report (the scheduler would tell the decode, which this harness has not)."""
     deadline = time.monotonic() + timeout
     pending = set(range(len(ws)))
     failed: set[str] = set()
-    while pending and time.monotonic() < deadline:
+    while pending and time.monotonic() < deadline and not failed:
         for i in list(pending):
             r: TransferResults = ws[i].transfer_results()
             failed |= r.failed_recving
             if rid in getattr(r, what):
                 pending.discard(i)
+        for sender in senders:
+            sender.transfer_results()
+            failed |= {f"{f.seq}: {f.reason}" for f in sender.take_send_failures()}
         time.sleep(0.01)
     assert not failed, failed
     assert not pending, f"{rid} not in {what} of ranks {sorted(pending)}"
@@ -149,7 +156,7 @@ def test_unlike_workers_move_exactly_the_prompt(ptp: int, dtp: int, pbs: int, db
                 for name, t in pcaches[r].items():
                     p.save_kv_layer(name, t)
                 p.wait_for_save()
-        poll_all(ds, "finished_recving", "dreq")
+        poll_all(ds, "finished_recving", "dreq", senders=ps)
         for p in ps:
             p.bind(StepPlan(send_release=["preq"]))
         poll_all(ps, "finished_sending", "preq")

@@ -57,6 +57,10 @@ request put through it); a link an introduction asks for is not opened (its firs
 MAX_CONNECTS = 32
 """Connect threads at once: each holds a socket and blocks up to ``connect_timeout`` on a decode that does not
 answer (two made-up engines started 2,048 in 3 s, again every reconnect backoff). Further links wait in order."""
+_STEP_JOBS = ("plan", "layer", "step_end")
+"""Jobs of the step's push path (from our own scheduler and forward): one that raises fails the step's
+destinations at once. Not the destination channel's ``msg`` (any decode can send one: its failure must not fail
+another decode's pushes) nor ``peers`` (same)."""
 MAX_BROKEN = 4 * MAX_LINKS
 """Reconnect backoffs remembered (expired ones go first, then the oldest)."""
 MAX_REFUSED = 1024
@@ -156,12 +160,30 @@ class Pusher:
                 continue
             if job is None:
                 return
+            active = list(self.planner.active)  # (a step_end forgets them before its puts are issued)
             try:
                 self._do(job)
-            except Exception:  # never let the pusher die: requests would hang
+            except Exception as exc:  # never let the pusher die: requests would hang
                 log.exception("kvtransport pusher: job %s failed", job[0])
+                if job[0] in _STEP_JOBS:
+                    self._fail_step([*active, *self.planner.active],
+                                    f"the prefill worker's push failed ({job[0]}: {type(exc).__name__}: {exc})")
             if self.q.empty():
                 self._housekeeping()
+
+    def _fail_step(self, sources: list[Any], reason: str) -> None:
+        """A job of the step's push path raised (a bug of ours): what it was to put is unknown, so every
+        destination of the step's ``sources`` fails now (its decode is told at once and fails or recomputes the
+        request) instead of waiting out its transfer timeout for KV that will not all come. No more puts to
+        them. Pusher thread."""
+        for src in {id(s): s for s in sources}.values():
+            for d in src.dsts.values():
+                b = d.bind
+                if d.cancelled or b.seq in self.failed_seqs:
+                    continue
+                self._failed(b.seq, reason)
+                with self.lock:
+                    self.failures.append(SendFailure(b.seq, b.engine, reason))
 
     def _held_back(self) -> set[str]:
         """Prefill requests with a final signal still held back (released only after it)."""
