@@ -56,10 +56,16 @@ def pd():
     d.shutdown()
 
 
-def poll(w: WorkerSide, what: str, rid: str, timeout: float = 30) -> TransferResults:
+def poll(w: WorkerSide, what: str, rid: str, timeout: float = 30, sender: WorkerSide | None = None) -> TransferResults:
+    """Until ``rid`` is in ``w``'s ``what``; with ``sender``, fails as soon as that prefill worker reports a push
+    failure (the scheduler would tell the decode, which this harness has not)."""
     deadline = time.monotonic() + timeout
     seen = TransferResults(set(), set(), set())
     while time.monotonic() < deadline:
+        if sender is not None and sender.pusher is not None:  # a peek: the test's own polls still see everything
+            with sender.pusher.lock:
+                sent_fails = [*sender._pending_send_failures, *sender.pusher.failures]
+            assert not sent_fails, [(f.seq, f.reason) for f in sent_fails]
         r = w.transfer_results()
         seen.finished_sending |= r.finished_sending
         seen.finished_recving |= r.finished_recving
@@ -96,7 +102,7 @@ def test_layerwise_push_lands_and_releases(pd) -> None:
     d.bind(StepPlan(recv_start={"dreq": 60}))
     s_ids, d_ids = (3, 4, 5, 9), (40, 41, 7, 8)
     step(p, StepPlan(peers={"D": {0: meta}}, sources=[source("preq", s_ids)], binds=[dest("preq", "dreq", d_ids)]), src)
-    r = poll(d, "finished_recving", "dreq")
+    r = poll(d, "finished_recving", "dreq", sender=p)
     assert "dreq" not in r.failed_recving
     for name in src:
         for s, t in zip(s_ids, d_ids, strict=True):
@@ -124,11 +130,11 @@ def test_chunked_then_whole_push(pd) -> None:
     assert "a" not in d.transfer_results().finished_recving
     assert p.cm.stats()["bytes_sent"] == LAYERS * BLOCK_BYTES  # block 1 only: block 2 is not complete yet
     step(p, StepPlan(sources=[source("p1", (1, 2, 3), BS + 5, plen, plen)]), src)
-    poll(d, "finished_recving", "a")
+    poll(d, "finished_recving", "a", sender=p)
     # destination known only after the forward: one put of the whole prompt
     step(p, StepPlan(sources=[source("p2", (20, 21))]), src)
     p.bind(StepPlan(binds=[dest("p2", "b", (30, 31))]))
-    poll(d, "finished_recving", "b")
+    poll(d, "finished_recving", "b", sender=p)
     for name in src:
         for s_, t in ((1, 11), (2, 12), (3, 13), (20, 30), (21, 31)):
             assert torch.equal(src[name][s_], dst[name][t])
@@ -166,7 +172,7 @@ def test_a_destination_bound_mid_forward_over_the_direct_channel(pd) -> None:
         for name in names[1:]:
             p.save_kv_layer(name, src[name])
         p.wait_for_save()
-        poll(d, "finished_recving", "mid")
+        poll(d, "finished_recving", "mid", sender=p)
         for name in src:
             for s_, t in ((4, 50), (5, 51), (6, 52)):
                 assert torch.equal(src[name][s_], dst[name][t])
@@ -245,7 +251,7 @@ def test_debug_delay_holds_back_one_signal_without_blocking_others(pd) -> None:
     t0 = time.monotonic()
     step(p, StepPlan(sources=[source("pf", (2,))]), src)
     p.bind(StepPlan(binds=[dest("pf", "fast", (12,))]))
-    seen = poll(d, "finished_recving", "fast")
+    seen = poll(d, "finished_recving", "fast", sender=p)
     step(p, StepPlan(send_release=["ps", "pf"]), src)
     sent = poll(p, "finished_sending", "pf")
     # "fast" landed and was released while "slow" still waits for its delayed signal: nothing queued behind
@@ -253,7 +259,7 @@ def test_debug_delay_holds_back_one_signal_without_blocking_others(pd) -> None:
     # loaded CI VM.)
     assert "slow" not in seen.finished_recving and "ps" not in sent.finished_sending, \
         "the other request waited for the delayed signal"
-    poll(d, "finished_recving", "slow")
+    poll(d, "finished_recving", "slow", sender=p)
     assert time.monotonic() - t0 >= 3.5
     poll(p, "finished_sending", "ps")
 
@@ -439,7 +445,7 @@ def test_every_layer_of_a_step_puts_the_same_runs_object(pd) -> None:
     step(p, StepPlan(peers={"D": {0: meta}}, sources=[source("ps", (1, 2, 3), 0, 2 * BS, 3 * BS)],
                      binds=[dest("ps", "same", (21, 22, 23))]), src)
     step(p, StepPlan(sources=[source("ps", (1, 2, 3), 2 * BS, 3 * BS, 3 * BS)]), src)
-    poll(d, "finished_recving", "same")
+    poll(d, "finished_recving", "same", sender=p)
     assert [layers for layers, _ in calls] == [(i,) for i in range(LAYERS)] * 2
     first, second = {r for _, r in calls[:LAYERS]}, {r for _, r in calls[LAYERS:]}
     assert len(first) == 1 and len(second) == 1 and first != second, calls
@@ -464,7 +470,7 @@ def test_a_connect_the_decode_broke_off_is_tried_again(pd, monkeypatch) -> None:
     d.bind(StepPlan(recv_start={"again": 60}))
     step(p, StepPlan(peers={"D": {0: d.handshake()["metadata"]}}, sources=[source("pa", (1, 2))],
                      binds=[dest("pa", "again", (41, 42))]), src)
-    poll(d, "finished_recving", "again")
+    poll(d, "finished_recving", "again", sender=p)
     assert len(tries) == 3 and all(0 < t <= 20 for t in tries)
     assert p.take_send_failures() == []
     for name in src:
@@ -556,7 +562,7 @@ def test_a_release_while_the_connect_is_pending_waits_for_the_puts(pd, monkeypat
     assert "pl" not in early.finished_sending, "reported finished while its connect was pending"
     gate.set()
     poll(p, "finished_sending", "pl")
-    poll(d, "finished_recving", "late")
+    poll(d, "finished_recving", "late", sender=p)
     for name in src:
         assert torch.equal(src[name][3], dst[name][51]) and torch.equal(src[name][4], dst[name][52])
 
@@ -604,7 +610,7 @@ def test_a_destination_channel_message_that_raises_fails_no_other_push(pd, monke
     for name in names[1:]:
         p.save_kv_layer(name, src[name])
     p.wait_for_save()
-    poll(d, "finished_recving", "dreq")
+    poll(d, "finished_recving", "dreq", sender=p)
     p.transfer_results()
     assert p.take_send_failures() == [] and not p.pusher.failed_seqs
     for name in src:

@@ -88,9 +88,10 @@ def poll_all(ws: list[WorkerSide], what: str, rid: str, timeout: float = 30,
             failed |= r.failed_recving
             if rid in getattr(r, what):
                 pending.discard(i)
-        for sender in senders:
-            sender.transfer_results()
-            failed |= {f"{f.seq}: {f.reason}" for f in sender.take_send_failures()}
+        for sender in senders:  # a peek: what the senders report stays for their own polls
+            if sender.pusher is not None:
+                with sender.pusher.lock:
+                    failed |= {f"{f.seq}: {f.reason}" for f in (*sender._pending_send_failures, *sender.pusher.failures)}
         time.sleep(0.01)
     assert not failed, failed
     assert not pending, f"{rid} not in {what} of ranks {sorted(pending)}"
