@@ -25,6 +25,9 @@ fi
 # every property test capped at 200 examples, deterministic (tests/conftest.py): a survivor costs the full run
 # of every test that covers it, and the structured fuzz tests ask for up to 2,500 examples each
 export KVT_HYPOTHESIS_MAX_EXAMPLES=${KVT_HYPOTHESIS_MAX_EXAMPLES:-200} HYPOTHESIS_PROFILE=ci
+# mutmut forks each mutant's test run from a process that has run tests already; torch's OpenMP pool does not
+# survive a fork (the child hangs in its first torch.zeros, at no CPU, until mutmut's timeout): one thread, no pool
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 CHILDREN=${MUTMUT_CHILDREN:-1}
 
 # Of manager.py, receiving.py and sidecontext.py (the receiving side and the context split out of it), the receiver's checks of what a peer

@@ -456,3 +456,48 @@ def test_room_is_made_to_the_exact_budget_and_every_eviction_counted(monkeypatch
     assert p.bind(Bind("d1", "D", "s", blocks, 0), now=1.0)[1].startswith("refused: destinations")
     assert (p.orphan_usage("A"), p.orphan_usage("C"), p.orphan_total, p.counts["evicted"]) == (40, 40, 80, 2)
     assert set(p.pending) == {"a3", "a4", "c1"}
+
+
+def test_a_whole_push_source_beside_a_layerwise_one_holds_back_only_itself() -> None:
+    """One step computes a source that is put only once complete (pull mode) before a layer-wise one: each layer
+    still puts the layer-wise source's KV at once; the other's goes at the step's end, whole."""
+    p = PushPlanner([0, 0], 4, lambda e: None)
+    p.step([SourceStep("rw", "w", 8, ((1, 2),), 0, 8, layerwise=False), SourceStep("rl", "l", 8, ((3, 4),), 0, 8)])
+    assert p.bind(Bind("w", "D", "sw", (11, 12)))[0] == [] and p.bind(Bind("l", "D", "sl", (13, 14)))[0] == []
+    assert [(o.push.seq, o.push.dst, o.layers) for o in p.layer(0) if isinstance(o, PutOp)] == [("sl", (13, 14), (0,))]
+    assert [(o.push.seq, o.layers) for o in p.layer(1) if isinstance(o, PutOp)] == [("sl", (1,))]
+    assert [(o.push.seq, o.push.dst, o.layers) for o in p.step_end() if isinstance(o, PutOp)] == [
+        ("sw", (11, 12), (0, 1))]
+
+
+def test_refusals_and_duplicates_are_counted_exactly() -> None:
+    """The planner's counts (the worker's metrics): one duplicate, one destination claimed by another engine,
+    one with the wrong number of KV cache groups, one past MAX_DSTS_PER_ENGINE."""
+    p = PushPlanner([0, 0], 4, lambda e: None)
+    p.step([SourceStep("r", "x", 8, ((1, 2),), 0, 8)])
+    assert p.bind(Bind("x", "D", "s", (7, 8)))[1] == "before"
+    assert p.bind(Bind("x", "D", "s", (7, 8)))[1] == "duplicate"
+    assert p.bind(Bind("x", "D", "t", (5, 6), 0, ((9,),)))[1].startswith("refused: KV cache groups differ")
+    assert p.bind(Bind("x", "E", "s", (5, 6)))[1].startswith("refused")  # (after another: counted on, not reset)
+    for i in range(plan_mod.MAX_DSTS_PER_ENGINE):
+        p.bind(Bind("x", "F", f"f{i}", (20 + i,)))
+    assert p.bind(Bind("x", "F", "one-more", (99,)))[1].startswith("refused: decode engine F")
+    assert (p.counts["refused"], p.counts["duplicate"], p.counts["before"]) == (3, 1, 1 + plan_mod.MAX_DSTS_PER_ENGINE)
+
+
+@pytest.mark.parametrize("dbs", [4, 8])
+def test_a_destination_shorter_than_the_prompt_gets_only_what_fits(dbs: int) -> None:
+    """A decode (like-for-like, dbs 4, or unlike, dbs 8) names fewer blocks than the prompt needs past its
+    offset: nothing is put beyond them, in blocks or in tokens, and once they are full it is signalled (its
+    request ends there; it does not wait out its timeout for KV it has no room for)."""
+    geo = None if dbs == 4 else {"tp_size": 2, "block_size": dbs, "kv_order": "HN"}
+    p = PushPlanner([0], 4, lambda e: geo)
+    p.step([SourceStep("r", "x", 24, ((1, 2, 3, 4, 5, 6),), 0, 24)])
+    p.bind(Bind("x", "D", "s", (70,), 1))  # block 1 of the decode: tokens [dbs, 2 dbs) of 24
+    ops = p.layer(0) + p.step_end()
+    assert [o.push.seq for o in ops if isinstance(o, SignalOp)] == ["s"]
+    puts = [o.push for o in ops if isinstance(o, PutOp)]
+    if geo is None:
+        assert [(q.src, q.dst) for q in puts] == [((2,), (70,))]
+    else:
+        assert [(q.start, q.stop, q.dst) for q in puts] == [(8, 16, (70,))]
