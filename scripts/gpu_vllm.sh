@@ -20,7 +20,8 @@
 #               measures as soon as its instances are up, and the e2e suites run after it (a short lease).
 # The commit measured is read from .stage/c1/COMMIT (written by gpu_stage.sh) into machine.txt.
 # `bash scripts/gpu_vllm.sh job NAME` re-runs one step in the background (conformance, e2e, serving).
-# Knobs for a short lease: SERVING=0 (no benchmark), CONFORMANCE=0, MSCCLPP_BUILD=0 (ucx only), and
+# Knobs for a short lease: SERVING=0 (no benchmark), CONFORMANCE=0 (or =early: the conformance suites run beside
+# the e2e suites while the benchmark's instances start, and the benchmark measures after both), MSCCLPP_BUILD=0 (ucx only), and
 # E2E_RUNS="pd ucx-cuda|faults cuda" (suite and -k filter per run, '|' between runs). SERVING_ROUNDS=3: the
 # benchmark's configurations measured three times, interleaved; PUT_PATH=1: benchmarks/gpu_put_path.py per
 # backend (PUT_PATH_BACKENDS) once the e2e suites are done, before the conformance suites.
@@ -143,7 +144,7 @@ job_serving() {
   esac
   status "C: serving benchmark: instances start (measures after the e2e suites)"
   rm -rf "$R/serving"
-  ( wait_for "$W/e2e.done"; touch "$W/quiet" ) &
+  ( wait_for "$W/e2e.done"; if [ "${CONFORMANCE:-1}" = early ]; then wait_for "$W/conf.done"; fi; touch "$W/quiet" ) &
   timeout 1500 $PY benchmarks/serving.py run --model "$W/llama8b" --out "$R/serving" --wait-for "$W/quiet" \
     ${SERVING_CONFIGS:+--configs $SERVING_CONFIGS} --rounds "${SERVING_ROUNDS:-1}" >"$R/serving.txt" 2>&1
   $PY benchmarks/serving.py report "$R/serving/serving.json" --out "$R/serving" >>"$R/serving.txt" 2>&1
@@ -180,7 +181,8 @@ master() {
   else
     job_serving &
     local s=$!
-    job_e2e
+    if [ "${CONFORMANCE:-1}" = early ]; then job_conformance & fi  # beside the e2e suites, while the
+    job_e2e                                                          # benchmark's instances start
     wait "$s"
   fi
   wait "$a"
