@@ -120,7 +120,7 @@ job_e2e() {
   if [ -e "$W/pieces/c7.done" ]; then  # vllm-router: a target of its own (pip --target leaves an existing
     # /tmp/site/bin as it is, so the binary never landed there: 2026-12-03, fifth run)
     $PIP --target /tmp/router "$W"/pieces/c7/*.whl >"$R/install-router.log" 2>&1
-    export PATH=/tmp/router/bin:$PATH
+    export PATH=/tmp/router/bin:$PATH PYTHONPATH=$PYTHONPATH:/tmp/router  # its entry script imports vllm_router
     command -v vllm-router >>"$R/install-router.log" 2>&1 || status "C: vllm-router did not install (install-router.log)"
   fi
   local pids=() run
