@@ -82,7 +82,15 @@ KVT_METRICS = {  # Prometheus name -> key (summed over label sets)
     "vllm:nixl_post_time_seconds_sum": "nixl_post_s_sum",
     "vllm:nixl_num_failed_transfers_total": "nixl_failures",
     "vllm:prompt_tokens_by_source_total": "prompt_tokens_by_source",
+    # vLLM's own request metrics, read on the instance that computed the prompt (the single instance or the
+    # prefill) so that both sides of a comparison have the same segments: arrival at the engine client -> first
+    # token, queued -> scheduled, scheduled -> first token
+    "vllm:time_to_first_token_seconds_sum": "engine_ttft_s_sum", "vllm:time_to_first_token_seconds_count": "engine_ttft_n",
+    "vllm:request_queue_time_seconds_sum": "queue_s_sum", "vllm:request_queue_time_seconds_count": "queue_n",
+    "vllm:request_prefill_time_seconds_sum": "prefill_s_sum", "vllm:request_prefill_time_seconds_count": "prefill_n",
 }
+ENGINE_SEGMENTS = (("engine_ttft", "engine_ttft_s_sum", "engine_ttft_n"), ("queue", "queue_s_sum", "queue_n"),
+                   ("prefill", "prefill_s_sum", "prefill_n"))
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -355,7 +363,7 @@ def run_all(model: Path, out: Path, configs: list[str], kv_gib: float, wait_for:
     def measure(label: str, mode: str, pair: tuple[Server, Server] | None, first_token: str = "prefill",
                 trace_dir: Path | None = None) -> None:
         if pair is None:
-            result["configs"][label] = run_config(label, single.url, model, [], out, names)
+            result["configs"][label] = run_config(label, single.url, model, [single], out, names)
             return
         prx = proxy_server(f"proxy-{label}", pair[0], pair[1], mode, env, logs, first_token, trace_dir)
         try:
@@ -494,6 +502,7 @@ def summarize(files: list[Path]) -> list[dict[str, Any]]:
                 row = {
                     "phase": data["phase"], "config": label, "setting": setting, "round": int(rnd or 1),
                     "ttft_p50_ms": _ms(r.get("median_ttft_ms")), "ttft_p99_ms": _ms(r.get("p99_ttft_ms")),
+                    "ttft_mean_ms": _ms(r.get("mean_ttft_ms")),
                     "itl_p50_ms": _ms(r.get("median_itl_ms")), "tpot_p50_ms": _ms(r.get("median_tpot_ms")),
                     "completed": r.get("completed"),
                     "ttft_overhead_pct": (round(100 * (r["median_ttft_ms"] / b["median_ttft_ms"] - 1), 1)
@@ -507,9 +516,25 @@ def summarize(files: list[Path]) -> list[dict[str, Any]]:
                     "layerwise_share": round(conn.get("layerwise", 0) / sent, 3) if sent else None,
                     "decode_local_compute": conn.get("prompt_tokens_local_compute"),
                     "breakdown": r.get("breakdown"),
+                    "engine": engine_means(r),
                 }
                 rows.append(row)
     return rows
+
+
+def engine_means(result: dict[str, Any]) -> dict[str, float] | None:
+    """vLLM's own request metrics (means over the run, ms; the client's warm-up requests included) on the instance
+    that computed the prompt — the watched instance named ``single`` or ``prefill-*`` — and ``outside``: the
+    client's mean TTFT less the engine's, i.e. HTTP, tokenization, the proxy and the answer's way back. None when
+    that instance was not watched or reported nothing."""
+    metrics = next((m for name, m in result.get("connector", {}).items()
+                    if name == "single" or name.startswith("prefill")), None)
+    if not metrics:
+        return None
+    out = {seg: round(1000 * metrics[s] / metrics[n], 3) for seg, s, n in ENGINE_SEGMENTS if metrics.get(n)}
+    if "engine_ttft" in out and isinstance(result.get("mean_ttft_ms"), (int, float)):
+        out["outside"] = round(result["mean_ttft_ms"] - out["engine_ttft"], 3)
+    return out or None
 
 
 def paired(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -551,6 +576,15 @@ def report(files: list[Path], out: Path) -> None:
             if b:
                 lines.append(f"| {r['config']} | {r['setting']} | "
                              + " | ".join(str(b[g]["p50_ms"]) if g in b else "" for g in shown) + " |")
+    engine = [r for r in rows if r.get("engine")]
+    if engine:
+        names = ("engine_ttft", "queue", "prefill", "outside")
+        lines += ["", "vLLM's own request metrics on the instance that computed the prompt (means over the run, ms, "
+                  "warm-up requests included; `outside`: the client's mean TTFT less the engine's):", "",
+                  "| config | setting | client TTFT mean | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 3)]
+        for r in engine:
+            lines.append(f"| {r['config']} | {r['setting']} | {r.get('ttft_mean_ms')} | "
+                         + " | ".join(str(r["engine"].get(n, "")) for n in names) + " |")
     rounds = paired(rows)
     if rounds:
         lines += ["", "Interleaved rounds (each overhead against the single instance of its own round):", "",

@@ -91,3 +91,28 @@ def test_interleaved_rounds_are_judged_against_their_own_rounds_baseline(serving
     serving.report([f], tmp_path)
     md = (tmp_path / "serving.md").read_text()
     assert "| push-ucx | 2k-c1 | 3 | 60.5 | [52.0, 61.2] | 4.0 | [2.0, 10.0] |" in md
+
+
+def test_vllms_own_request_metrics_are_read_on_the_instance_that_computed_the_prompt(
+        serving: ModuleType, tmp_path: Path) -> None:
+    def engine(ttft_s: float, queue_s: float, prefill_s: float, n: float) -> dict[str, float]:
+        return {"engine_ttft_s_sum": ttft_s, "engine_ttft_n": n, "queue_s_sum": queue_s, "queue_n": n,
+                "prefill_s_sum": prefill_s, "prefill_n": n}
+
+    # the decode observes its own TTFT too (a much smaller one): it must not be mixed into the prefill's figures
+    data = {"phase": "gpu", "configs": {
+        "single": {"2k-c1": {"median_ttft_ms": 56.0, "mean_ttft_ms": 56.5, "connector": {
+            "single": engine(2.0, 0.02, 1.9, 40)}}},
+        "push-ucx": {"2k-c1": {"median_ttft_ms": 59.0, "mean_ttft_ms": 59.4, "connector": {
+            "decode-ucx": engine(0.4, 0.01, 0.2, 40), "prefill-ucx": engine(2.08, 0.04, 1.92, 40)}}},
+        "nixl": {"2k-c1": {"median_ttft_ms": 70.0, "connector": {}}}}}
+    f = tmp_path / "serving.json"
+    f.write_text(json.dumps(data))
+    rows = {r["config"]: r for r in serving.summarize([f])}
+    assert rows["single"]["engine"] == {"engine_ttft": 50.0, "queue": 0.5, "prefill": 47.5, "outside": 6.5}
+    assert rows["push-ucx"]["engine"] == {"engine_ttft": 52.0, "queue": 1.0, "prefill": 48.0, "outside": 7.4}
+    assert rows["nixl"]["engine"] is None
+    serving.report([f], tmp_path)
+    md = (tmp_path / "serving.md").read_text()
+    assert "| push-ucx | 2k-c1 | 59.4 | 52.0 | 1.0 | 48.0 | 7.4 |" in md
+    assert "| single | 2k-c1 | 56.5 | 50.0 | 0.5 | 47.5 | 6.5 |" in md
