@@ -114,7 +114,7 @@ class Run:
 
 @settings(max_examples=300, deadline=None)
 @given(layers=st.integers(1, 4), bs=st.sampled_from([1, 4, 16]), prompt_len=st.integers(1, 140),
-       sizes=st.lists(st.integers(1, 70), min_size=1, max_size=4), groups=st.sampled_from([1, 2]),
+       sizes=st.lists(st.integers(1, 70), min_size=1, max_size=4), groups=st.sampled_from([1, 2, 3]),
        data=st.data())
 def test_like_for_like_every_block_of_every_layer_lands_exactly_once(layers: int, bs: int, prompt_len: int,
                                                                     sizes: list[int], groups: int,
@@ -128,7 +128,7 @@ def test_like_for_like_every_block_of_every_layer_lands_exactly_once(layers: int
     for k in range(data.draw(st.integers(1, 2), label="destinations")):
         offset = data.draw(st.integers(0, nblk - 1), label="decode prefix blocks")
         blocks = tuple(5000 * (k + 1) + i for i in range(nblk - offset))
-        extra = tuple(tuple(6000 * (k + 1) + i for i in range(nblk - offset)) for _ in range(groups - 1))
+        extra = tuple(tuple(30000 + 1000 * k + 200 * j + i for i in range(nblk - offset)) for j in range(groups - 1))
         dsts.append(Bind("X", "D", f"d{k}", blocks, offset, extra))
     binds: dict[int, list[Bind]] = {}
     phase_at = {}
@@ -159,10 +159,13 @@ def test_like_for_like_every_block_of_every_layer_lands_exactly_once(layers: int
        prompt_len=st.integers(1, 90), sizes=st.lists(st.integers(1, 40), min_size=1, max_size=3), data=st.data())
 def test_unlike_every_token_of_every_layer_lands_exactly_once(layers: int, bs: int, dbs: int, prompt_len: int,
                                                              sizes: list[int], data: st.DataObject) -> None:
-    run = Run(layers, bs, prompt_len, 0, sizes, unlike={"U": {"tp_size": 2, "block_size": dbs, "kv_order": "HN"}})
+    groups = min(data.draw(st.integers(1, 2), label="KV groups"), layers)
+    run = Run(layers, bs, prompt_len, 0, sizes, groups,
+              unlike={"U": {"tp_size": 2, "block_size": dbs, "kv_order": "HN"}})
     dblk = -(-prompt_len // dbs)
     offset = data.draw(st.integers(0, dblk - 1), label="decode prefix blocks")
-    b = Bind("X", "U", "u", tuple(100 + i for i in range(dblk - offset)), offset)
+    b = Bind("X", "U", "u", tuple(100 + i for i in range(dblk - offset)), offset,
+             tuple(tuple(700 + i for i in range(dblk - offset)) for _ in range(groups - 1)))
     n_events = len(run.events())
     at = data.draw(st.integers(0, n_events), label="bind at")
     run.drive({at: [b]})
