@@ -504,3 +504,48 @@ def test_a_destination_shorter_than_the_prompt_gets_only_what_fits(dbs: int) -> 
         assert [(q.src, q.dst) for q in puts] == [((2,), (70,))]
     else:
         assert [(q.start, q.stop, q.dst) for q in puts] == [(8, 16, (70,))]
+
+
+def test_expire_drops_only_destinations_older_than_the_cutoff_oldest_first_over_engines() -> None:
+    """A destination that arrived exactly at the cutoff stays; the rest of its engine's are newer and stay too;
+    another engine's older ones still go."""
+    p = PushPlanner([0], 4, lambda e: None)
+    for xfer, engine, now in (("a0", "A", 1.0), ("a1", "A", 2.0), ("a2", "A", 3.0), ("b0", "B", 1.5)):
+        assert p.bind(Bind(xfer, engine, "s", (1,), 0), now=now)[1] == "pending"
+    assert [(b.xfer, b.engine) for b in p.expire(before=2.0)] == [("a0", "A"), ("b0", "B")]
+    assert sorted(p.pending) == ["a1", "a2"]
+    assert p.orphan_usage("A") == 2 * plan_mod.orphan_cost(Bind("a1", "A", "s", (1,), 0)) and p.orphan_usage("B") == 0
+    assert p.expire(before=2.0) == []
+
+
+def test_forgetting_a_request_this_planner_never_saw_changes_nothing() -> None:
+    p = PushPlanner([0], 4, lambda e: None)
+    p.step([SourceStep("r", "x", 4, ((9,),), 0, 4)])
+    p.forget("never-seen")
+    p.forget("r")
+    p.forget("r")  # twice: a release after a failure
+    assert p.sources == {} and p.by_req == {}
+
+
+def test_a_whole_push_source_puts_into_every_destination_at_its_steps_end() -> None:
+    """A source that puts once (not layer-wise) with two destinations bound before its forward: both get every
+    layer at the step's end, then their signals."""
+    p = PushPlanner([0, 0], 4, lambda e: None)
+    p.step([SourceStep("r", "x", 8, ((1, 2),), 0, 8, layerwise=False)])
+    assert p.bind(Bind("x", "D", "s", (7, 8), 0))[1] == "before"
+    assert p.bind(Bind("x", "E", "t", (5, 6), 0))[1] == "before"
+    assert p.layer(0) == [] and p.layer(1) == []
+    ops = p.step_end()
+    assert [(type(o).__name__, o.push.seq, getattr(o, "layers", None), tuple(o.push.dst)) for o in ops] == [
+        ("PutOp", "s", (0, 1), (7, 8)), ("SignalOp", "s", None, ()),
+        ("PutOp", "t", (0, 1), (5, 6)), ("SignalOp", "t", None, ())]
+
+
+def test_the_signal_goes_with_the_last_layer_of_the_step_that_completes_the_prompt() -> None:
+    """Not at the step's end: the decode may start as soon as the last layer is put."""
+    p = PushPlanner([0, 0], 4, lambda e: None)
+    p.step([SourceStep("r", "x", 8, ((1, 2),), 0, 8)])
+    p.bind(Bind("x", "D", "s", (7, 8), 0))
+    assert [type(o).__name__ for o in p.layer(0)] == ["PutOp"]
+    assert [type(o).__name__ for o in p.layer(1)] == ["PutOp", "SignalOp"]
+    assert p.step_end() == []
