@@ -530,3 +530,104 @@ def test_a_welcome_without_a_valid_tag_is_refused_by_a_decode_with_a_secret(welc
         kind, seq, reason = inbox.get(timeout=5)
         assert (kind, seq) == ("fail", "r1") and "did not prove KV_TRANSPORT_SECRET" in reason
         assert client.peer_engine is None
+
+
+def test_a_holder_that_does_not_answer_the_probe_loses_its_id_to_the_first_claimant(server) -> None:
+    """A holder that reads its ping and does not answer (hung, or an impostor that does not play along): the
+    claimant's own first handshake is welcomed, after one probe interval, not refused into a retry, and the
+    silent holder's connection is closed."""
+    srv, inbox = server
+    holder, reply = handshake(srv)
+    assert reply["type"] == "welcome" and inbox.get(timeout=5)[:2] == ("hello", "decode-A")
+    t0 = time.monotonic()
+    claimant, reply = handshake(srv)
+    took = time.monotonic() - t0
+    assert reply["type"] == "welcome", reply
+    assert sc.RECONNECT_PROBE_S - 0.05 <= took < sc.RECONNECT_PROBE_S + 3.0, took  # slack: a loaded CI host
+    holder.settimeout(5)
+    assert proto.recv_message(holder)["type"] == "ping"
+    assert closed_by_peer(holder)
+    assert srv.send("decode-A", {"type": "ready", "xfers": ["x3"]})
+    claimant.settimeout(5)
+    assert proto.recv_message(claimant) == {"type": "ready", "xfers": ["x3"]}
+    holder.close()
+    claimant.close()
+
+
+def test_a_holder_that_goes_away_during_the_probe_hands_its_id_over_at_once(server, monkeypatch) -> None:
+    """The holder closes its connection when the ping comes: the claimant is welcomed as soon as the prefill
+    sees it gone, well inside the probe interval (5 s here: the server's timeout bounds it)."""
+    monkeypatch.setattr(sc, "RECONNECT_PROBE_S", 10.0)
+    srv, inbox = server
+    holder, reply = handshake(srv)
+    assert reply["type"] == "welcome" and inbox.get(timeout=5)[:2] == ("hello", "decode-A")
+
+    def leave_on_ping() -> None:
+        holder.settimeout(5)
+        try:
+            if proto.recv_message(holder)["type"] == "ping":
+                holder.shutdown(socket.SHUT_RDWR)
+        except (OSError, proto.ProtocolFailure):
+            pass
+
+    t = threading.Thread(target=leave_on_ping, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    claimant, reply = handshake(srv)
+    took = time.monotonic() - t0
+    t.join(5)
+    assert reply["type"] == "welcome", reply
+    assert took < 3.0, took
+    claimant.close()
+    holder.close()
+
+
+def test_a_live_peer_client_answers_the_probe_and_keeps_its_id(server) -> None:
+    """The decode's own client (PeerClient) answers the prefill's ping with its token: a second claimant of its
+    id is refused (retry) within the probe interval, and the prefill's messages still reach the PeerClient."""
+    srv, inbox = server
+    decode_inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
+    real = sc.PeerClient(srv.host, srv.port, hello, compat, decode_inbox, timeout=10, secret=SECRET)
+    try:
+        deadline = time.monotonic() + 5
+        while real.peer_engine is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert real.peer_engine == "prefill-P" and inbox.get(timeout=5)[:2] == ("hello", "decode-A")
+        t0 = time.monotonic()
+        claimant, reply = handshake(srv)
+        assert reply == {"type": "refuse", "version": proto.PROTOCOL_VERSION,
+                         "reason": "engine id decode-A is already connected", "retry": True}
+        assert time.monotonic() - t0 < sc.RECONNECT_PROBE_S
+        assert srv.refused == 1
+        assert srv.send("decode-A", {"type": "ready", "xfers": ["x9"]})
+        assert decode_inbox.get(timeout=5) == ("ready", (srv.host, srv.port), ["x9"])
+        claimant.close()
+    finally:
+        real.close()
+
+
+def test_refusals_are_counted_one_each_and_logged_with_the_engine_and_the_peer_at_a_bounded_rate(server, caplog) -> None:
+    srv, _ = server
+    caplog.set_level("ERROR")
+    for engine in ("decode-X", "decode-Y"):
+        s, reply = handshake(srv, body={**hello(engine), "compat": "another-model"})
+        assert reply["type"] == "refuse" and reply["retry"] is False
+        s.close()
+    assert srv.refused == 2
+    lines = [r.getMessage() for r in caplog.records if "refusing decode engine" in r.getMessage()]
+    assert len(lines) == 1, lines  # the second within the rate limit's interval is not logged
+    assert lines[0].startswith("refusing decode engine decode-X from 127.0.0.1:"), lines[0]
+    assert lines[0].endswith(": incompatible KV caches: hashes differ"), lines[0]
+
+
+def test_send_to_an_engine_that_is_not_connected_says_so(server) -> None:
+    srv, inbox = server
+    assert srv.send("nobody", {"type": "ready", "xfers": []}) is False
+    s, reply = handshake(srv)
+    assert reply["type"] == "welcome" and inbox.get(timeout=5)[:2] == ("hello", "decode-A")
+    assert srv.send("decode-A", {"type": "ready", "xfers": []}) is True
+    s.close()
+    deadline = time.monotonic() + 5
+    while srv.send("decode-A", {"type": "ready", "xfers": []}) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert srv.send("decode-A", {"type": "ready", "xfers": []}) is False  # gone: its connection closed
