@@ -631,3 +631,49 @@ def test_send_to_an_engine_that_is_not_connected_says_so(server) -> None:
     while srv.send("decode-A", {"type": "ready", "xfers": []}) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert srv.send("decode-A", {"type": "ready", "xfers": []}) is False  # gone: its connection closed
+
+
+@pytest.mark.parametrize("kind", ["malformed", "incompatible", "compat_info not a dict", "id held"])
+def test_each_refusal_is_logged_with_the_claimants_id_its_address_and_the_reason(server, caplog, kind: str) -> None:
+    """What the prefill's operator reads (the values) and what the refused peer is told (names only)."""
+    srv, inbox = server
+    caplog.set_level("ERROR")
+    stop = threading.Event()
+    holder = None
+    if kind == "id held":
+        holder, _ = handshake(srv)
+        assert inbox.get(timeout=5)[:2] == ("hello", "decode-A")
+        answer_pings(holder, stop)
+    body = {"malformed": hello(workers={"x": 3}),
+            "incompatible": {**hello(), "compat": "other", "compat_info": {**COMPAT_INFO, "block_size": 32}},
+            "compat_info not a dict": {**hello(), "compat": "other", "compat_info": "garbage"},
+            "id held": hello()}[kind]
+    s, reply = handshake(srv, body=body)
+    logged, told = {
+        "malformed": ("worker 'x': bad rank or base64", "malformed hello: worker 'x': bad rank or base64"),
+        "incompatible": ("incompatible KV caches: block_size: ours=16 peer=32",
+                         "incompatible KV caches, fields that differ: block_size"),
+        "compat_info not a dict": ("incompatible KV caches: block_size: ours=16 peer=None; model: "
+                                   "ours='tiny-secret-model' peer=None",
+                                   "incompatible KV caches, fields that differ: block_size, model"),
+        "id held": ("an engine with this id is connected and alive", "engine id decode-A is already connected"),
+    }[kind]
+    assert reply == {"type": "refuse", "version": proto.PROTOCOL_VERSION, "reason": told, "retry": kind == "id held"}
+    port = s.getsockname()[1]
+    lines = [r.getMessage() for r in caplog.records if "refusing decode engine" in r.getMessage()]
+    assert lines == [f"refusing decode engine decode-A from 127.0.0.1:{port}: {logged}"]
+    s.close()
+    stop.set()
+    if holder is not None:
+        holder.close()
+
+
+def test_a_connection_that_breaks_the_protocol_says_why_in_its_bye(server) -> None:
+    srv, inbox = server
+    s, _ = handshake(srv)
+    assert inbox.get(timeout=5)[:2] == ("hello", "decode-A")
+    s.sendall(struct.pack("!I", proto.MAX_MESSAGE + 1))
+    assert closed_by_peer(s)
+    assert inbox.get(timeout=5) == ("bye", "decode-A",
+                                    f"peer announced a {proto.MAX_MESSAGE + 1}-byte message (limit {proto.MAX_MESSAGE})")
+    s.close()
