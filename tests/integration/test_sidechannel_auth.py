@@ -677,3 +677,55 @@ def test_a_connection_that_breaks_the_protocol_says_why_in_its_bye(server) -> No
     assert inbox.get(timeout=5) == ("bye", "decode-A",
                                     f"peer announced a {proto.MAX_MESSAGE + 1}-byte message (limit {proto.MAX_MESSAGE})")
     s.close()
+
+
+def test_strangers_are_counted_one_each_and_logged_with_their_address_and_why(server, caplog) -> None:
+    srv, inbox = server
+    caplog.set_level("WARNING")
+    ports = []
+    for _ in range(2):
+        s = dial(srv)
+        proto.recv_message(s)  # the challenge
+        proto.send_message(s, hello())  # a plain hello, no HMAC
+        assert proto.recv_message(s)["reason"] == proto.REFUSED
+        ports.append(s.getsockname()[1])
+        s.close()
+    assert srv.refused == 2 and inbox.empty()
+    lines = [r.getMessage() for r in caplog.records if "side-channel peer" in r.getMessage()]
+    assert lines == [f"refusing a side-channel peer from 127.0.0.1:{ports[0]}: unauthenticated: "
+                     "unsealed frame"], lines
+
+
+def test_a_handshake_thread_that_cannot_start_is_logged_with_the_peer_and_the_reason(server, monkeypatch,
+                                                                                   caplog) -> None:
+    srv, _inbox = server
+    caplog.set_level("WARNING")
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if self.name == "kvt-sc-in":
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    s = dial(srv)
+    challenge = proto.recv_message(s)
+    proto.send_frame(s, proto.seal({**hello(), "nonce": proto.new_nonce().hex()}, SECRET,
+                                   bytes.fromhex(challenge["nonce"])))
+    assert closed_by_peer(s)
+    lines = [r.getMessage() for r in caplog.records if "cannot start a thread" in r.getMessage()]
+    assert lines == [f"side channel: cannot start a thread for 127.0.0.1:{s.getsockname()[1]} (can't start new "
+                     "thread); closed"], lines
+    s.close()
+
+
+def test_a_closed_peer_client_fails_what_is_sent_to_it_with_closed(server) -> None:
+    srv, inbox = server
+    decode_inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
+    client = sc.PeerClient(srv.host, srv.port, hello, compat, decode_inbox, timeout=5, secret=SECRET)
+    assert inbox.get(timeout=5)[:2] == ("hello", "decode-A")
+    client.close()
+    assert client.dead and client.error == "closed"
+    client.send({"type": "dst", "xfer": "x", "dsts": [{"seq": "r1", "blocks": [1]}, {"seq": "r2", "blocks": [2]}]})
+    assert [decode_inbox.get(timeout=5) for _ in range(2)] == [("fail", "r1", "closed"), ("fail", "r2", "closed")]
+    assert decode_inbox.empty()
