@@ -729,3 +729,23 @@ def test_a_closed_peer_client_fails_what_is_sent_to_it_with_closed(server) -> No
     client.send({"type": "dst", "xfer": "x", "dsts": [{"seq": "r1", "blocks": [1]}, {"seq": "r2", "blocks": [2]}]})
     assert [decode_inbox.get(timeout=5) for _ in range(2)] == [("fail", "r1", "closed"), ("fail", "r2", "closed")]
     assert decode_inbox.empty()
+
+
+def test_a_worker_link_answers_the_probe_keeps_its_id_and_sends_what_was_queued(server) -> None:
+    """A decode's link to a prefill worker's destination channel (``worker=True``) acts on nothing the peer sends
+    but its pings, which it answers: a second claimant of its id is refused, and what was queued before the
+    welcome arrives in order."""
+    srv, inbox = server
+    link = sc.PeerClient(srv.host, srv.port, hello, compat, queue.Queue(), timeout=10, secret=SECRET, worker=True)
+    try:
+        link.send({"type": "renew", "xfers": ["x1"]})
+        link.send({"type": "renew", "xfers": ["x2"]})
+        assert inbox.get(timeout=5)[:2] == ("hello", "decode-A")
+        assert [inbox.get(timeout=5) for _ in range(2)] == [("msg", "decode-A", {"type": "renew", "xfers": ["x1"]}),
+                                                            ("msg", "decode-A", {"type": "renew", "xfers": ["x2"]})]
+        claimant, reply = handshake(srv)
+        assert reply["type"] == "refuse" and reply["retry"] is True, reply
+        claimant.close()
+        assert srv.send("decode-A", {"type": "ready", "xfers": []}) and not link.dead
+    finally:
+        link.close()
