@@ -55,6 +55,7 @@ class Run:
         self.signals: dict[str, list[str]] = {}
         self.after_signal: list[str] = []
         self.complete = False
+        self.bound: dict[str, Bind] = {}
 
     def events(self) -> list[tuple[Any, ...]]:
         ev: list[tuple[Any, ...]] = []
@@ -70,6 +71,12 @@ class Run:
             if isinstance(op, SignalOp):
                 assert p.seq not in self.signals, f"{p.seq} signalled twice"
                 self.signals[p.seq] = [op.kind]
+                # the push that names the sequence: nothing to copy; for an unlike decode, the token where its
+                # blocks start (the worker expands it into one part per destination rank)
+                b = self.bound[p.seq]
+                at = b.offset * self.unlike[b.engine]["block_size"] if b.engine in self.unlike else -1
+                assert (p.req_id, p.engine, p.src, p.dst, p.start, p.stop) == ("preq", b.engine, (), (), at,
+                                                                               at if at >= 0 else p.stop), p
                 continue
             assert isinstance(op, PutOp) and op.layers
             assert p.seq not in self.signals, f"a put to {p.seq} after its signal"
@@ -83,8 +90,17 @@ class Run:
                         assert self.computed[layer] >= need, (layer, b, self.computed[layer], need)
                         key = (p.seq, layer, d)
                         self.writes[key] = self.writes.get(key, 0) + 1
-                else:  # unlike: exact tokens, computed in this layer
+                else:  # unlike: exact tokens, computed in this layer, into the decode's blocks that hold them
                     assert p.stop <= self.computed[layer] and p.start < p.stop
+                    b, dbs = self.bound[p.seq], self.unlike[p.engine]["block_size"]
+                    dst_blocks = b.blocks if g == 0 else b.groups[g - 1]
+                    assert p.dst_first % dbs == 0 and p.src_first % self.bs == 0, p
+                    assert p.dst_first <= p.start and p.src_first <= p.start, p
+                    assert len(p.dst) == -(-(p.stop - p.dst_first) // dbs), p  # exactly the blocks that hold them
+                    assert len(p.src) == -(-(p.stop - p.src_first) // self.bs), p
+                    for t in range(p.start, p.stop):
+                        assert p.dst[(t - p.dst_first) // dbs] == dst_blocks[t // dbs - b.offset], (p, t)
+                        assert p.src[(t - p.src_first) // self.bs] == self.src_groups[g][t // self.bs], (p, t)
                     for t in range(p.start, p.stop):
                         key = (p.seq, layer, t)
                         self.writes[key] = self.writes.get(key, 0) + 1
@@ -92,6 +108,7 @@ class Run:
     def drive(self, binds: dict[int, list[Bind]]) -> None:
         """Run the events, binding ``binds[i]`` just before event ``i`` (``len(events)``: after the last)."""
         ev = self.events()
+        self.bound = {b.seq: b for bs in binds.values() for b in bs}
         for i in range(len(ev) + 1):
             for b in binds.get(i, []):
                 ops, _ = self.planner.bind(b)
