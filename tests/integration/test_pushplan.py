@@ -78,7 +78,7 @@ class Run:
                 assert (p.req_id, p.engine, p.src, p.dst, p.start, p.stop) == ("preq", b.engine, (), (), at,
                                                                                at if at >= 0 else p.stop), p
                 continue
-            assert isinstance(op, PutOp) and op.layers
+            assert isinstance(op, PutOp) and op.layers and p.req_id == "preq" and p.engine == self.bound[p.seq].engine
             assert p.seq not in self.signals, f"a put to {p.seq} after its signal"
             g = p.group
             for layer in op.layers:
@@ -566,3 +566,11 @@ def test_the_signal_goes_with_the_last_layer_of_the_step_that_completes_the_prom
     assert [type(o).__name__ for o in p.layer(0)] == ["PutOp"]
     assert [type(o).__name__ for o in p.layer(1)] == ["PutOp", "SignalOp"]
     assert p.step_end() == []
+
+
+def test_every_kv_group_refusal_is_counted() -> None:
+    p = PushPlanner([0, 0], 4, lambda e: None)
+    p.step([SourceStep("r", "x", 8, ((1, 2),), 0, 8)])
+    for seq in ("s", "t"):
+        assert p.bind(Bind("x", "D", seq, (5, 6), 0, ((9,),)))[1].startswith("refused: KV cache groups differ")
+    assert p.counts["refused"] == 2 and p.sources["x"].dsts == {}
