@@ -578,7 +578,7 @@ def report(files: list[Path], out: Path) -> None:
                              + " | ".join(str(b[g]["p50_ms"]) if g in b else "" for g in shown) + " |")
     engine = [r for r in rows if r.get("engine")]
     if engine:
-        names = ("engine_ttft", "queue", "prefill", "outside")
+        names = (*(seg for seg, _, _ in ENGINE_SEGMENTS), "outside")
         lines += ["", "vLLM's own request metrics on the instance that computed the prompt (means over the run, ms, "
                   "warm-up requests included; `outside`: the client's mean TTFT less the engine's):", "",
                   "| config | setting | client TTFT mean | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 3)]

@@ -180,14 +180,17 @@ master() {
     job_e2e
   else
     job_serving &
-    local s=$!
-    if [ "${CONFORMANCE:-1}" = early ]; then job_conformance & fi  # beside the e2e suites, while the
-    job_e2e                                                          # benchmark's instances start
+    local s=$! c=""
+    if [ "${CONFORMANCE:-1}" = early ]; then job_conformance & c=$!; fi  # beside the e2e suites, while the
+    job_e2e                                                                # benchmark's instances start
     wait "$s"
+    if [ -n "$c" ]; then wait "$c"; fi
   fi
   wait "$a"
   if [ "${PUT_PATH:-0}" = 1 ]; then job_put_path; fi
-  if [ "${CONFORMANCE:-1}" = 1 ]; then job_conformance; fi
+  # last, unless CONFORMANCE=0 or it ran early (=early starts it beside the e2e suites only where the benchmark
+  # measures after them; with SERVING=0 or SERVING_FIRST=1 it runs here)
+  if [ "${CONFORMANCE:-1}" != 0 ] && [ ! -e "$W/conf.done" ]; then job_conformance; fi
   status "ALL DONE"
   touch "$R/DONE"
 }

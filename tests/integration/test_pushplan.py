@@ -101,7 +101,6 @@ class Run:
                     for t in range(p.start, p.stop):
                         assert p.dst[(t - p.dst_first) // dbs] == dst_blocks[t // dbs - b.offset], (p, t)
                         assert p.src[(t - p.src_first) // self.bs] == self.src_groups[g][t // self.bs], (p, t)
-                    for t in range(p.start, p.stop):
                         key = (p.seq, layer, t)
                         self.writes[key] = self.writes.get(key, 0) + 1
 

@@ -66,6 +66,14 @@ def handshake(srv: Any, secret: bytes | None = SECRET, body: dict[str, Any] | No
     return s, reply
 
 
+def welcomed(client: Any, within: float = 5.0) -> str | None:
+    """The prefill engine id ``client`` (a PeerClient) learnt from its welcome, once it has (None: not in time)."""
+    deadline = time.monotonic() + within
+    while client.peer_engine is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return client.peer_engine
+
+
 def closed_by_peer(s: socket.socket, within: float = 5.0) -> bool:
     s.settimeout(within)
     try:
@@ -109,10 +117,7 @@ def test_peer_client_proves_the_secret_and_fails_its_requests_on_a_wrong_one(ser
     srv, inbox = server
     good = sc.PeerClient(srv.host, srv.port, hello, compat, queue.Queue(), timeout=5, secret=SECRET)
     assert inbox.get(timeout=5)[:2] == ("hello", "decode-A")
-    deadline = time.monotonic() + 5
-    while good.peer_engine is None and time.monotonic() < deadline:  # (the server is told before the client)
-        time.sleep(0.01)
-    assert good.peer_engine == "prefill-P" and not good.dead
+    assert welcomed(good) == "prefill-P" and not good.dead  # (the server is told before the client)
     good.close()
     decode_inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
     bad = sc.PeerClient(srv.host, srv.port, hello, compat, decode_inbox, timeout=5, secret=b"wrong")
@@ -319,11 +324,9 @@ def test_an_impostor_holding_a_decodes_id_loses_it_to_the_real_decode_within_one
     t0 = time.monotonic()
     real = sc.PeerClient(srv.host, srv.port, hello, compat, decode_inbox, timeout=10, secret=SECRET)
     try:
-        deadline = time.monotonic() + 5
-        while real.peer_engine is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        engine = welcomed(real)
         took = time.monotonic() - t0
-        assert real.peer_engine == "prefill-P" and not real.dead
+        assert engine == "prefill-P" and not real.dead
         assert took < sc.RECONNECT_PROBE_S + 1.5, took  # one probe interval (+ slack for a loaded CI host)
         events = [inbox.get(timeout=5)]  # the real one's hello (its connection is held), maybe the impostor's end
         while events[-1][0] != "hello":
@@ -423,8 +426,10 @@ def test_a_peer_that_floods_the_inbox_is_dropped_and_the_schedulers_own_events_n
     assert inbox.qsize() == 4
 
 
-def test_a_handshake_thread_that_cannot_start_refuses_only_that_peer(server, monkeypatch) -> None:
+def test_a_handshake_thread_that_cannot_start_refuses_only_that_peer(server, monkeypatch, caplog) -> None:
+    """That peer's connection is closed and the reason logged with its address; the server keeps serving."""
     srv, _inbox = server
+    caplog.set_level("WARNING")
     real_start = threading.Thread.start
     failed = []
 
@@ -440,6 +445,10 @@ def test_a_handshake_thread_that_cannot_start_refuses_only_that_peer(server, mon
     proto.send_frame(s, proto.seal({**hello(), "nonce": proto.new_nonce().hex()}, SECRET,
                                    bytes.fromhex(challenge["nonce"])))
     assert closed_by_peer(s) and failed == ["kvt-sc-in"]
+    lines = [r.getMessage() for r in caplog.records if "cannot start a thread" in r.getMessage()]
+    assert lines == [f"side channel: cannot start a thread for 127.0.0.1:{s.getsockname()[1]} (can't start new "
+                     "thread); closed"], lines
+    s.close()
     s, reply = handshake(srv)  # the server keeps serving
     assert reply["type"] == "welcome"
     s.close()
@@ -589,10 +598,7 @@ def test_a_live_peer_client_answers_the_probe_and_keeps_its_id(server) -> None:
     decode_inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
     real = sc.PeerClient(srv.host, srv.port, hello, compat, decode_inbox, timeout=10, secret=SECRET)
     try:
-        deadline = time.monotonic() + 5
-        while real.peer_engine is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert real.peer_engine == "prefill-P" and inbox.get(timeout=5)[:2] == ("hello", "decode-A")
+        assert welcomed(real) == "prefill-P" and inbox.get(timeout=5)[:2] == ("hello", "decode-A")
         t0 = time.monotonic()
         claimant, reply = handshake(srv)
         assert reply == {"type": "refuse", "version": proto.PROTOCOL_VERSION,
@@ -694,29 +700,6 @@ def test_strangers_are_counted_one_each_and_logged_with_their_address_and_why(se
     lines = [r.getMessage() for r in caplog.records if "side-channel peer" in r.getMessage()]
     assert lines == [f"refusing a side-channel peer from 127.0.0.1:{ports[0]}: unauthenticated: "
                      "unsealed frame"], lines
-
-
-def test_a_handshake_thread_that_cannot_start_is_logged_with_the_peer_and_the_reason(server, monkeypatch,
-                                                                                   caplog) -> None:
-    srv, _inbox = server
-    caplog.set_level("WARNING")
-    real_start = threading.Thread.start
-
-    def start(self: threading.Thread) -> None:
-        if self.name == "kvt-sc-in":
-            raise RuntimeError("can't start new thread")
-        real_start(self)
-
-    monkeypatch.setattr(threading.Thread, "start", start)
-    s = dial(srv)
-    challenge = proto.recv_message(s)
-    proto.send_frame(s, proto.seal({**hello(), "nonce": proto.new_nonce().hex()}, SECRET,
-                                   bytes.fromhex(challenge["nonce"])))
-    assert closed_by_peer(s)
-    lines = [r.getMessage() for r in caplog.records if "cannot start a thread" in r.getMessage()]
-    assert lines == [f"side channel: cannot start a thread for 127.0.0.1:{s.getsockname()[1]} (can't start new "
-                     "thread); closed"], lines
-    s.close()
 
 
 def test_a_closed_peer_client_fails_what_is_sent_to_it_with_closed(server) -> None:
