@@ -53,3 +53,53 @@ def test_a_dead_engines_file_and_garbage_are_ignored(tmp_path: Path) -> None:
 def test_the_instance_id_drops_only_vllms_dp_suffix() -> None:
     assert boot.instance_of("abc_dp3") == boot.instance_of("abc_dp0") == "abc"
     assert boot.instance_of("abc_dp") == "abc_dp" and boot.instance_of("x_dp1_y") == "x_dp1_y"
+
+
+def test_dp_scheduler_sides_file_themselves_and_engine_zero_serves_the_instance(tmp_path: Path, monkeypatch) -> None:
+    """Two DP engines of one prefill instance with ``bootstrap_port``: engine 1 files its side channel and serves
+    nothing; engine 0 serves ``/query`` on that port, with both engines; an engine that shuts down leaves it."""
+    import socket
+    import tempfile
+    import urllib.request
+
+    pytest.importorskip("vllm", reason="vLLM is not installed (integration/vllm/ci_setup.sh builds its venv)")
+    from kvtransport_vllm.config import resolve_settings
+    from kvtransport_vllm.scheduler import SchedulerSide
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the registry's directory
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    settings = resolve_settings({"bootstrap_port": port}, env={})
+
+    def side(rank: int) -> SchedulerSide:
+        return SchedulerSide(settings=settings, engine_id=f"inst-9_dp{rank}", block_size=16, producer=True,
+                             consumer=False, compat_info={"model": "m"}, dp_route=(rank, 2))
+
+    def query() -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/query", timeout=10) as r:
+            return json.loads(r.read())
+
+    one = side(1)
+    try:
+        assert one.bootstrap is None and one.dp_registry is not None
+        assert one.dp_registry.entries() == {1: {"engine_id": "inst-9_dp1", "host": one.host, "port": one.port}}
+        zero = side(0)
+        try:
+            assert zero.bootstrap is not None and zero.bootstrap.port == port
+            assert zero.dp_registry is not None and zero.dp_registry.dir == one.dp_registry.dir
+            assert query() == {**boot.query_answer("inst-9_dp0", zero.host, zero.port, 0),
+                               **boot.query_answer("inst-9_dp1", one.host, one.port, 1)}
+            one.shutdown()
+            assert query() == boot.query_answer("inst-9_dp0", zero.host, zero.port, 0)
+        finally:
+            zero.shutdown()
+    finally:
+        one.shutdown()
+    single = SchedulerSide(settings=settings, engine_id="solo", block_size=16, producer=True, consumer=False,
+                           compat_info={"model": "m"})
+    try:  # one engine (no DP): its own answer, no registry
+        assert single.dp_registry is None
+        assert query() == boot.query_answer("solo", single.host, single.port, 0)
+    finally:
+        single.shutdown()

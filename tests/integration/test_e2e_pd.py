@@ -582,7 +582,9 @@ def test_text_is_a_single_instances_with_split_characters_and_stop_strings(clust
     instance's, byte for byte: with outputs restricted to the bytes of 中 (E4 B8 AD), or to lead bytes only (E4,
     F0: token #1 is then always an unfinished character, whose text depends on #2), a character is split across
     tokens #1 and #2, and a stop string made of #1's and #2's text (one character each) ends the answer exactly
-    where a single instance ends it; streamed and whole, completions and chat."""
+    where a single instance ends it; streamed and whole, completions and chat. The text does not depend on the
+    transport: each backend of the matrix checks 12 prompts of its own (every API, stream and token-set pairing
+    twice), 24 over both."""
     from .tiny_model import byte_token
 
     P1, D, R = (cluster["procs"][k] for k in ("P1", "D", "R"))
@@ -591,9 +593,9 @@ def test_text_is_a_single_instances_with_split_characters_and_stop_strings(clust
         han = [byte_token(b) for b in "中".encode()]
         leads = [byte_token(0xE4), byte_token(0xF0)]  # a greedy random model may never pick E4 first among han's
         letters = [byte_token(ord(c)) for c in "abc"]
-        rng = random.Random(27)
+        rng = random.Random(f"27-{cluster['backend']}")
         splits = stops = 0
-        for i in range(24):
+        for i in range(12):
             prompt = " ".join(f"w{rng.randrange(4, 1024)}" for _ in range(rng.randrange(3, 90)))
             chat = i % 3 == 2
             api = "/v1/chat/completions" if chat else "/v1/completions"
@@ -614,7 +616,7 @@ def test_text_is_a_single_instances_with_split_characters_and_stop_strings(clust
             assert ref[0][1] == "", (stop, ref)  # a single instance stops at #2, before any text
             stops += 1
             assert send(proxy.url, req) == ref, f"request {i}: stop string {stop!r} across tokens #1 and #2"
-        assert splits >= 12 and stops == 24, (splits, stops)
+        assert splits >= 6 and stops == 12, (splits, stops)
     finally:
         proxy.stop()
 

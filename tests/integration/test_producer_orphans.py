@@ -400,3 +400,16 @@ def test_room_is_made_only_from_an_engine_that_would_hold_more_than_the_newcomer
     assert p._hold("B", "z", b2, now) is None
     assert p.orphans_evicted == 1 and _books(side)["total"] == 2 * (ENTRY + 1)
     assert side.prefill.orphans["z"][1] == [b2] and "x" not in side.prefill.orphans
+
+
+def test_push_work_is_pending_while_an_orphan_is_held_or_the_inbox_has_events(side) -> None:
+    """vLLM keeps stepping an idle prefill while ``has_pending_push_work`` says so: exactly while a destination
+    waits for its prefill request (an orphan) or the side channel's inbox holds an event not yet read."""
+    assert side.has_pending_push_work() is False
+    side.inbox.put(("msg", "D", {}))
+    assert side.has_pending_push_work() is True  # an event not yet read
+    side.inbox.get_nowait()
+    assert side.has_pending_push_work() is False
+    side.prefill._on_message("D", dst("x", "s1", [1, 2]), time.monotonic())
+    assert list(side.prefill.orphans) == ["x"] and side.inbox.empty()
+    assert side.has_pending_push_work() is True  # an orphan, the inbox empty

@@ -11,6 +11,7 @@ The garbage goes through real vLLM Schedulers (a prefill and a decode, our conne
 from __future__ import annotations
 
 import math
+import re
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -43,6 +44,19 @@ PROMPT = list(range(100, 140))  # 40 tokens: 3 blocks of 16
 def _label(value: Any) -> str:
     """A short test id for ``value`` (``repr`` of HUGE or of DEEP raises)."""
     return "HUGE" if value is HUGE else "DEEP" if value is DEEP else repr(value)[:20]
+
+
+def safe_ids(names: list[str]) -> list[str]:
+    """Test ids made of ``[A-Za-z0-9_=.-]`` only, at most 40 characters, unique: mutmut hands each test's id back
+    to pytest, which cannot take ids with spaces, newlines, ``@``/``:`` or hundreds of characters (every other
+    character becomes ``_``; a repeat gets ``~N``)."""
+    out: list[str] = []
+    seen: dict[str, int] = {}
+    for name in names:
+        safe = re.sub(r"[^A-Za-z0-9_=.-]", "_", name)[:40]
+        n = seen[safe] = seen.get(safe, 0) + 1
+        out.append(safe if n == 1 else f"{safe}~{n}")
+    return out
 
 
 def _nested(depth: int) -> list[Any]:
@@ -197,14 +211,14 @@ def abort_and_drain(sched: Scheduler, req: Any) -> None:
         sched.update_from_output(so, empty_output(sending=set(plan.send_release), recving=set(plan.recv_abort)))
 
 
-@pytest.mark.parametrize(("role", "params", "field"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(("role", "params", "field"), [c[1:] for c in CASES], ids=safe_ids([c[0] for c in CASES]))
 def test_garbage_is_refused_through_vllms_failure_path(engines, role: str, params: Any, field: str) -> None:
     reason = refused_then_failed(engines["get"](role), params)
     assert reason.startswith("kv_transfer_params refused: ") and field in reason, reason
     assert len(reason) < 400, reason  # bounded: never the value itself
 
 
-@pytest.mark.parametrize(("role", "params", "field"), [c[1:] for c in CASES[::7]], ids=[c[0] for c in CASES[::7]])
+@pytest.mark.parametrize(("role", "params", "field"), [c[1:] for c in CASES[::7]], ids=safe_ids([c[0] for c in CASES[::7]]))
 def test_garbage_aborted_before_it_is_scheduled_leaves_nothing(engines, role: str, params: Any, field: str) -> None:
     """What vLLM's API server does for a request it rejected after sending it (``abort_immediately``): added,
     then finished at once; ``request_finished`` must take the garbage too."""
@@ -326,7 +340,7 @@ def test_valid_params_are_read_as_before() -> None:
 
 
 @pytest.mark.parametrize(("role", "params", "field"), [c[1:] for c in CASES + NOT_OBJECTS],
-                         ids=[c[0] for c in CASES + NOT_OBJECTS])
+                         ids=safe_ids([c[0] for c in CASES + NOT_OBJECTS]))
 def test_the_parser_names_the_field(role: str, params: Any, field: str) -> None:
     from kvtransport_vllm.metadata import TransferParamsError, parse_transfer_params
 

@@ -49,7 +49,7 @@ from .protocol import PROTOCOL_VERSION, b64, compat_hash
 from .roles import RoleContext
 from .sidechannel import SideChannelServer
 
-__all__ = ["IDLE_INBOX_WAIT_S", "SchedulerSide", "transfer_params_kind"]
+__all__ = ["IDLE_INBOX_WAIT_S", "SchedulerSide"]
 
 log = logging.getLogger("vllm.kvtransport")
 
@@ -70,15 +70,6 @@ minute says how many more were refused (any client can send them, as fast as it 
 MAX_PARSED = 1 << 16
 """Checked ``kv_transfer_params`` kept for live requests (dropped at ``request_finished``; a bound in case vLLM
 ever finishes a request without telling the connector)."""
-
-
-def transfer_params_kind(params: object) -> str | None:
-    """``"prefill"`` for a request whose KV goes to a remote decode, ``"decode"`` for one whose KV comes from a
-    remote prefill, else None (also for params :func:`.metadata.parse_transfer_params` refuses)."""
-    try:
-        return parse_transfer_params(params).role
-    except TransferParamsError:
-        return None
 
 
 class SchedulerSide:

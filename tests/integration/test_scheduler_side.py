@@ -1,0 +1,168 @@
+"""The connector's scheduler side (``SchedulerSide``) alone, without a vLLM scheduler: a decode's geometry as the
+prefill records it from the decode's hello (what is read, what is bounded, why an unlike decode is refused: a hello
+comes from any peer that passed admission), what a finished request leaves behind, and where the workers' send
+failures go. Exact values throughout."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (integration/vllm/ci_setup.sh builds its venv)")
+pytest.importorskip("kvtransport_vllm", reason="kvtransport-vllm is not installed")
+
+from kvtransport_vllm.config import resolve_settings
+from kvtransport_vllm.metadata import SendFailure
+from kvtransport_vllm.scheduler import SchedulerSide
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(60)]
+
+MINE = {"tp_size": 1, "block_size": 16, "kv_order": "HN"}
+LAYOUT = ("(not [blocks, heads, block, head] dense per layer: MLA's latent cache, cross-layer blocks) serves "
+          "like-for-like peers only: run both at one TP size and block size")
+
+
+@pytest.fixture
+def side():
+    """A prefill's scheduler side (TP 1, block size 16) whose worker 0 has a unit layout (head order HN)."""
+    s = SchedulerSide(settings=resolve_settings({}, env={}), engine_id="P", block_size=16, producer=True,
+                      consumer=False, compat_info={"model": "m"})
+    s.set_worker_metadata({0: {"kv_order": "HN"}})
+    s.sent = []  # type: ignore[attr-defined]  # what it sends to decodes (none connects)
+    s.server.send = lambda engine, msg: s.sent.append((engine, msg)) or True  # type: ignore[union-attr,attr-defined]
+    yield s
+    s.shutdown()
+
+
+def hello(tp: Any = 1, **geometry: Any) -> dict[str, Any]:
+    return {"tp_size": tp, "geometry": {"block_size": 16, "kv_order": "HN", **geometry}}
+
+
+def taken(side: SchedulerSide, msg: dict[str, Any], engine: str = "D") -> tuple[dict[str, Any], str | None]:
+    side._take_geometry(engine, msg)
+    return side.peer_geometry[engine], side.unmappable.get(engine)
+
+
+@pytest.mark.parametrize(("block_size", "read"), [
+    (16, 16), (1, 1), (1 << 20, 1 << 20),  # the bounds, inclusive
+    (0, -1), (-16, -1), ((1 << 20) + 1, -1), (1 << 21, -1), ("16", -1), (16.0, -1), (None, -1),
+])
+def test_the_block_size_is_read_within_its_bounds_else_minus_one(side, block_size: Any, read: int) -> None:
+    geo, why = taken(side, hello(block_size=block_size))
+    assert geo == {**MINE, "block_size": read}
+    assert (why is None) == (read > 0)  # an out-of-bounds block size cannot be mapped
+
+
+@pytest.mark.parametrize(("order", "read"), [("HN", "HN"), ("NH", "NH"), ("CPU", "CPU"), ("nh", None),
+                                             ("XX", None), (1, None), (None, None)])
+def test_the_head_order_is_one_of_three_names_else_none(side, order: Any, read: Any) -> None:
+    geo, _ = taken(side, hello(kv_order=order))
+    assert geo["kv_order"] == read
+
+
+def test_the_tp_size_defaults_to_one_and_the_geometry_to_ours_in_block_size() -> None:
+    s = SchedulerSide(settings=resolve_settings({}, env={}), engine_id="P", block_size=16, producer=True,
+                      consumer=False, compat_info={"model": "m"})
+    try:
+        s._take_geometry("D", {})  # an older decode: no tp_size, no geometry
+        assert s.peer_geometry["D"] == {"tp_size": 1, "block_size": 16, "kv_order": None}
+        assert "D" not in s.unmappable  # like-for-like with a block layout (ours has no worker metadata)
+        s._take_geometry("D2", {"tp_size": 2})
+        assert s.peer_geometry["D2"] == {"tp_size": 2, "block_size": 16, "kv_order": None}
+    finally:
+        s.shutdown()
+
+
+def test_an_unmappable_decode_is_told_why_and_a_later_hello_clears_it(side) -> None:
+    geo, why = taken(side, hello(tp=2, block_size=32, kv_order=None))
+    assert geo == {"tp_size": 2, "block_size": 32, "kv_order": None}
+    assert why == ("decode engine D differs in tp_size 2 (ours 1), block_size 32 (ours 16), KV head order None "
+                   f"(ours HN), and the KV cache layout of that decode {LAYOUT}")
+    _, why = taken(side, hello(tp=2))  # the same engine again, now with a unit layout: mapped
+    assert why is None and "D" not in side.unmappable
+    _, why = taken(side, hello(block_size=0))
+    assert why == f"decode engine D differs in block_size -1 (ours 16), and the KV cache layout of that decode {LAYOUT}"
+    assert set(side.unmappable) == {"D"}
+    taken(side, hello(), engine="E")  # another engine's hello leaves D's refusal alone
+    assert set(side.unmappable) == {"D"}
+
+
+def test_a_prefill_with_a_block_layout_maps_no_unlike_decode(side) -> None:
+    side.set_worker_metadata({0: {}})  # no kv_order: MLA or cross-layer blocks
+    geo, why = taken(side, hello(tp=1, block_size=16, kv_order="NH"))
+    assert geo == {"tp_size": 1, "block_size": 16, "kv_order": "NH"}
+    assert why == f"decode engine D differs in KV head order NH (ours None), and the KV cache layout of this prefill {LAYOUT}"
+    geo, why = taken(side, hello(kv_order=None))  # like for like: nothing to map
+    assert why is None
+
+
+@pytest.mark.parametrize("msg", [hello(tp=2), hello(block_size=8), hello(kv_order="NH"), hello(tp=4, block_size=1)])
+def test_an_unlike_decode_with_a_unit_layout_is_mapped(side, msg: dict[str, Any]) -> None:
+    _, why = taken(side, msg)
+    assert why is None and side.unmappable == {}
+
+
+# ---------------------------------------------------------------------- a finished request, send failures
+def request(rid: str, params: Any, prompt: int = 40) -> SimpleNamespace:
+    return SimpleNamespace(request_id=rid, kv_transfer_params=params, num_prompt_tokens=prompt,
+                           abort_immediately=False)
+
+
+def books(s: SchedulerSide) -> list[Any]:
+    return [dict(s._parsed), dict(s.refused), dict(s._refused_claimed), set(s._refused_failed)]
+
+
+DECODE = {"do_remote_prefill": True, "do_remote_decode": False, "kvt_xfer": "x", "remote_host": "127.0.0.1",
+          "remote_port": 9, "remote_engine_id": "P"}
+
+
+def test_a_finished_request_leaves_nothing_in_the_books_and_holds_no_blocks(side) -> None:
+    """``request_finished`` forgets the request in every book (checked params, refusals, claimed and failed
+    refusals) and, for anything but a prefill request of a prefill engine, asks vLLM to free its blocks now."""
+    keep = request("keep", dict(DECODE))
+    side.params(keep)  # another request's entries stay
+    side.refused["keep"] = "why"
+    side._refused_claimed["keep"] = [1]
+    side._refused_failed.add("keep")
+    kept = books(side)
+
+    decode = request("d", dict(DECODE))  # a decode request on a prefill-only engine
+    assert side.params(decode).role == "decode" and "d" in side._parsed
+    assert side.request_finished(decode, [1, 2, 3]) == (False, None)
+    assert books(side) == kept
+
+    garbage = request("g", {"do_remote_decode": "yes"})
+    assert side.get_num_new_matched_tokens(garbage, 8) == (32, True)  # claimed, to fail
+    assert side.refused["g"].startswith("kv_transfer_params refused: ")
+    side._refused_claimed["g"] = [4, 5]
+    side._refused_failed.add("g")
+    assert side.request_finished(garbage, [4, 5]) == (False, None)
+    assert books(side) == kept
+
+    plain = request("n", None)
+    assert side.request_finished(plain, [6]) == (False, None)
+    assert books(side) == kept and not side.sent  # type: ignore[attr-defined]
+
+
+def test_a_workers_send_failures_are_told_to_their_decode_engines(side) -> None:
+    """Each failure of the workers' last step goes to its own decode engine, naming its sequence and reason."""
+    side.update_connector_output([SendFailure(seq="s1", engine="D1", reason="link down"),
+                                  SendFailure(seq="s2", engine="D2", reason="refused")], None)
+    assert side.sent == [  # type: ignore[attr-defined]
+        ("D1", {"type": "fail", "seqs": ["s1"], "reason": "link down"}),
+        ("D2", {"type": "fail", "seqs": ["s2"], "reason": "refused"}),
+    ]
+
+
+def test_a_prefill_request_finishing_on_a_decode_only_engine_frees_its_blocks() -> None:
+    s = SchedulerSide(settings=resolve_settings({}, env={}), engine_id="D", block_size=16, producer=False,
+                      consumer=True, compat_info={"model": "m"})
+    try:
+        prefill = request("p", {"do_remote_decode": True, "do_remote_prefill": False, "kvt_xfer": "x"})
+        assert s.params(prefill).role == "prefill"
+        assert s.request_finished(prefill, [1, 2]) == (False, None)
+        assert books(s) == [{}, {}, {}, set()]
+    finally:
+        s.shutdown()
