@@ -201,6 +201,7 @@ def test_incompatible_authenticated_peer_learns_field_names_not_values(server) -
     s, reply = handshake(srv, body=body)
     assert reply["type"] == "refuse" and reply["reason"].endswith("fields that differ: block_size")
     assert "16" not in reply["reason"] and "tiny-secret-model" not in reply["reason"]
+    assert closed_by_peer(s, within=2.0)  # and the connection is closed, not left open
     s.close()
 
 
@@ -231,7 +232,7 @@ def test_a_hello_announced_beyond_the_bound_is_dropped_unread(server) -> None:
     s = dial(srv)
     proto.recv_message(s)
     s.sendall(struct.pack("!I", proto.MAX_HELLO + 1))  # announces more than a stranger may send
-    assert closed_by_peer(s)
+    assert closed_by_peer(s, within=1.0)  # at once, not by the 5-s pre-authentication timeout
     s, reply = handshake(srv)
     assert reply["type"] == "welcome"
 
@@ -424,6 +425,17 @@ def test_a_peer_that_floods_the_inbox_is_dropped_and_the_schedulers_own_events_n
     inbox.get()
     sc._deliver(inbox, ("msg", "e", {"i": 5}), timeout=0.2)  # room again: delivered
     assert inbox.qsize() == 4
+    # a reader waiting on the full inbox gets its event in soon after the scheduler drains one (it polls often)
+    import threading
+
+    waiter = threading.Thread(target=sc._deliver, args=(inbox, ("msg", "e", {"i": 6}), 10.0))
+    waiter.start()
+    time.sleep(0.2)
+    assert waiter.is_alive() and inbox.qsize() == 4
+    inbox.get()
+    t0 = time.monotonic()
+    waiter.join(5)
+    assert not waiter.is_alive() and time.monotonic() - t0 < 0.5 and inbox.qsize() == 4
 
 
 def test_a_handshake_thread_that_cannot_start_refuses_only_that_peer(server, monkeypatch, caplog) -> None:
@@ -732,3 +744,70 @@ def test_a_worker_link_answers_the_probe_keeps_its_id_and_sends_what_was_queued(
         assert srv.send("decode-A", {"type": "ready", "xfers": []}) and not link.dead
     finally:
         link.close()
+
+
+def test_a_hello_waits_for_a_free_handshake_slot_while_admission_goes_on(server) -> None:
+    """Every handshake slot busy (MAX_HANDSHAKES run): a proved hello waits, neither refused nor lost, and the
+    admission thread meanwhile still answers others (a stranger is refused at once); once a slot frees, the
+    waiting hello is served."""
+    import threading
+
+    srv, inbox = server
+    taken = 0
+    while srv._handshakes.acquire(blocking=False):  # occupy every slot
+        taken += 1
+    assert taken == sc.MAX_HANDSHAKES == 32
+    result: list[Any] = []
+    client = threading.Thread(target=lambda: result.append(handshake(srv)))
+    client.start()
+    time.sleep(0.5)
+    assert not result and inbox.empty()  # proved, waiting for a slot
+    t0 = time.monotonic()
+    s = dial(srv)
+    proto.recv_message(s)
+    proto.send_message(s, hello())  # a stranger (no HMAC)
+    assert proto.recv_message(s)["type"] == "refuse" and time.monotonic() - t0 < 1.0
+    s.close()
+    srv._handshakes.release()
+    client.join(5)
+    assert result and result[0][1]["type"] == "welcome"
+    assert inbox.get(timeout=5)[0] == "hello"
+    result[0][0].close()
+    for _ in range(taken - 1):
+        srv._handshakes.release()
+
+
+def test_a_second_server_cannot_take_a_port_in_use(server) -> None:
+    """Two engines configured with one side-channel port: the second fails to start (no SO_REUSEPORT sharing,
+    where the kernel would hand each of them half of the decodes)."""
+    srv, _ = server
+    with pytest.raises(OSError):
+        sc.SideChannelServer("127.0.0.1", srv.port, "prefill-Q", compat, queue.Queue(), timeout=5.0, lease=30.0,
+                             secret=SECRET)
+
+
+def test_what_the_prefill_answers_at_once_goes_back_to_its_sender_and_the_rest_to_the_inbox() -> None:
+    """``answer_now`` (the producer's refusal of a destination for a freed transfer) sees the sender's engine id
+    and each message; what it answers goes back on that connection, what it does not goes to the inbox."""
+    inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
+    seen: list[tuple[str, str]] = []
+
+    def answer_now(engine: str, msg: dict[str, Any]) -> dict[str, Any] | None:
+        seen.append((engine, str(msg.get("xfer"))))
+        return {"type": "fail", "seqs": ["r1"], "reason": "freed"} if msg.get("xfer") == "gone" else None
+
+    srv = sc.SideChannelServer("127.0.0.1", 0, "prefill-P", compat, inbox, timeout=5.0, lease=30.0, secret=SECRET,
+                               answer_now=answer_now)
+    try:
+        s, reply = handshake(srv)
+        assert reply["type"] == "welcome" and inbox.get(timeout=5)[:2] == ("hello", "decode-A")
+        proto.send_message(s, {"type": "dst", "xfer": "gone", "dsts": [{"seq": "r1", "blocks": [1]}]})
+        assert proto.recv_message(s) == {"type": "fail", "seqs": ["r1"], "reason": "freed"}
+        live = {"type": "dst", "xfer": "live", "dsts": [{"seq": "r2", "blocks": [2]}]}
+        proto.send_message(s, live)
+        event = inbox.get(timeout=5)
+        assert event[:2] == ("msg", "decode-A") and event[2]["xfer"] == "live" and inbox.empty()
+        assert seen == [("decode-A", "gone"), ("decode-A", "live")]
+        s.close()
+    finally:
+        srv.close()
