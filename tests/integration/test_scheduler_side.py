@@ -166,3 +166,86 @@ def test_a_prefill_request_finishing_on_a_decode_only_engine_frees_its_blocks() 
         assert books(s) == [{}, {}, {}, set()]
     finally:
         s.shutdown()
+
+
+# ---------------------------------------------------------------------- compatibility fields, hello, params cache
+def test_compat_info_names_the_layout_and_the_workers_backend_hash_and_layers(side) -> None:
+    from kvtransport_vllm.protocol import PROTOCOL_VERSION, b64, compat_hash
+
+    side.set_worker_metadata({0: {"kv_order": "HN", "backend": "ucx", "layout_hash": "h1", "layer_names": ["a", "b"],
+                                  "metadata": b"meta0"}, 1: {"metadata": b"meta1"}})
+    info = {"model": "m", "kv_cache": "units (TP size, block size and head order are mapped)", "backend": "ucx",
+            "layout_hash": "h1", "layer_names": ["a", "b"]}
+    assert side.compat_info() == info
+    assert side.compat() == (compat_hash(info), info)
+    assert side.hello() == {"type": "hello", "version": PROTOCOL_VERSION, "engine_id": "P", "compat": compat_hash(info),
+                            "compat_info": info, "tp_size": 1, "geometry": MINE,
+                            "workers": {"0": b64(b"meta0"), "1": b64(b"meta1")}}
+    side.set_worker_metadata({})
+    assert side.compat_info() == {"model": "m", "kv_cache": "blocks of tp_size 1 and block_size 16 (like-for-like "
+                                                           "peers only)"}
+
+
+def test_checked_params_are_kept_per_request_until_they_change_and_within_a_bound(side, monkeypatch) -> None:
+    from kvtransport_vllm import scheduler as scheduler_mod
+
+    req = request("r1", dict(DECODE))
+    first = side.params(req)
+    assert side.params(req) is first and side._parsed["r1"] == (req.kv_transfer_params, first)  # read once
+    req.kv_transfer_params = {**DECODE, "kvt_xfer": "y"}  # vLLM replaced them: read again
+    again = side.params(req)
+    assert again is not first and again.xfer == "y" and side.params(req) is again
+    monkeypatch.setattr(scheduler_mod, "MAX_PARSED", 3)
+    for i in range(2, 6):
+        side.params(request(f"r{i}", dict(DECODE)))
+    assert list(side._parsed) == ["r3", "r4", "r5"]  # the oldest dropped past the bound
+
+
+def test_a_refusal_is_logged_unless_the_request_is_aborted_at_once_and_a_parser_bug_is_refused_quietly(
+        side, caplog, monkeypatch) -> None:
+    import logging
+
+    from kvtransport_vllm import scheduler as scheduler_mod
+
+    caplog.set_level(logging.WARNING, logger="vllm.kvtransport")
+    loud = request("loud", {"do_remote_decode": "yes"})
+    assert side.params(loud).role is None
+    why = side.refused["loud"]
+    assert why.startswith("kv_transfer_params refused: ") and "do_remote_decode" in why
+    assert [r.getMessage() for r in caplog.records] == [f"kvtransport: request loud fails: {why}"]
+    caplog.clear()
+    quiet = request("quiet", {"do_remote_decode": "yes"})
+    quiet.abort_immediately = True  # vLLM hands back a failed request's params in one aborted at once
+    side.params(quiet)
+    assert side.refused["quiet"] == why and caplog.records == []
+    no_flag = SimpleNamespace(request_id="old", kv_transfer_params={"do_remote_decode": "yes"}, num_prompt_tokens=4)
+    side.params(no_flag)  # an older vLLM's request has no abort_immediately: logged
+    assert [r.getMessage() for r in caplog.records] == [f"kvtransport: request old fails: {why}"]
+    caplog.clear()
+
+    def broken(raw: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(scheduler_mod, "parse_transfer_params", broken)
+    side.params(request("bug", dict(DECODE)))
+    assert side.refused["bug"] == "kv_transfer_params refused: unreadable (RuntimeError)"
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("ERROR", "kvtransport: reading the kv_transfer_params of request bug failed")]
+
+
+def test_each_role_hook_acts_only_for_its_own_role_on_an_engine_that_plays_it(side) -> None:
+    """A decode request reaching a prefill-only engine: registered nowhere, no remote KV claimed, nothing
+    allocated for it; a prefill request is registered as a source (at arrival and again at allocation: once)."""
+    decode = request("d", dict(DECODE))
+    side.on_new_request(decode)
+    assert side.get_num_new_matched_tokens(decode, 0) == (0, False)
+    side.update_state_after_alloc(decode, None, 0)
+    assert side.prefill.src_by_req == {}
+    prefill = request("p", {"do_remote_decode": True, "do_remote_prefill": False, "kvt_xfer": "xp"})
+    prefill.num_prompt_tokens = 40
+    side.on_new_request(prefill)
+    src = side.prefill.src_by_req["p"]
+    assert (src.xfer, src.mode) == ("xp", "push")
+    side.update_state_after_alloc(prefill, None, 0)
+    assert side.prefill.src_by_req == {"p": src}
+    assert side.get_num_new_matched_tokens(prefill, 0) == (0, False)
