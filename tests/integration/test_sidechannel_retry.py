@@ -268,3 +268,15 @@ def test_retries_are_logged_once_as_a_warning_then_quietly_and_paced(caplog) -> 
     client.close()
     for conn in KEPT:
         conn.close()
+
+
+def test_a_late_attempt_reads_only_for_what_is_left_of_the_connect_timeout() -> None:
+    """Four attempts break off (at ~0, 0.05, 0.15, 0.35 s), the fifth (~0.75 s) meets a silent prefill: its read is
+    bounded by what is left of the 1-s connect timeout, so the request fails at ~1 s, not a full timeout later."""
+    _got, inbox, _client, t0 = run_client(["close"] * 4 + ["silent"] * 10, timeout=1.0)
+    kind, seq, reason = inbox.get(timeout=10)
+    took = time.monotonic() - t0
+    assert (kind, seq) == ("fail", "r1") and "timed out" in reason, reason
+    assert 0.7 < took < 1.5, took
+    for conn in KEPT:
+        conn.close()
