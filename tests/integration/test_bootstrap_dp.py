@@ -86,7 +86,7 @@ def test_dp_scheduler_sides_file_themselves_and_engine_zero_serves_the_instance(
         assert one.dp_registry.entries() == {1: {"engine_id": "inst-9_dp1", "host": one.host, "port": one.port}}
         zero = side(0)
         try:
-            assert zero.bootstrap is not None and zero.bootstrap.port == port
+            assert zero.bootstrap is not None and (zero.bootstrap.host, zero.bootstrap.port) == (zero.host, port)
             assert zero.dp_registry is not None and zero.dp_registry.dir == one.dp_registry.dir
             assert query() == {**boot.query_answer("inst-9_dp0", zero.host, zero.port, 0),
                                **boot.query_answer("inst-9_dp1", one.host, one.port, 1)}

@@ -5,6 +5,7 @@ failures go. Exact values throughout."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -141,6 +142,12 @@ def test_a_finished_request_leaves_nothing_in_the_books_and_holds_no_blocks(side
     assert side.request_finished(garbage, [4, 5]) == (False, None)
     assert books(side) == kept
 
+    whole = request("w", {"do_remote_decode": "yes"})  # refused, its whole prompt found locally: nothing to claim
+    assert side.get_num_new_matched_tokens(whole, 40) == (0, False)
+    last = request("l", {"do_remote_decode": "yes"})  # one token left to claim: claimed, to fail
+    assert side.get_num_new_matched_tokens(last, 39) == (1, True)
+    for r in (whole, last):
+        side.request_finished(r, [])
     plain = request("n", None)
     assert side.request_finished(plain, [6]) == (False, None)
     assert books(side) == kept and not side.sent  # type: ignore[attr-defined]
@@ -249,3 +256,73 @@ def test_each_role_hook_acts_only_for_its_own_role_on_an_engine_that_plays_it(si
     side.update_state_after_alloc(prefill, None, 0)
     assert side.prefill.src_by_req == {"p": src}
     assert side.get_num_new_matched_tokens(prefill, 0) == (0, False)
+
+
+# ---------------------------------------------------------------------- what the prefill tells others about itself
+def test_the_prefill_names_itself_to_proxies_decodes_and_its_traces() -> None:
+    """The discovery answer (a proxy's ``kvt_discover``), the side channel's welcome and a pull-mode request's
+    ``kv_transfer_params`` name this engine, its side channel, its TP size and its DP route; the trace file is
+    named after the role."""
+    import queue
+
+    from kvtransport_vllm import trace
+    from kvtransport_vllm.sidechannel import PeerClient
+
+    trace._role = ""  # the first role set in a process names its trace file
+    s = SchedulerSide(settings=resolve_settings({}, env={}), engine_id="P7", block_size=16, producer=True,
+                      consumer=False, compat_info={"model": "m"}, tp_size=2, dp_route=(1, 3))
+    try:
+        assert trace._role == "prefill"
+        assert s.port == s.server.port > 0
+        assert s.prefill.discovery_params() == {
+            "kvt_host": s.settings.address, "kvt_port": s.port, "kvt_engine_id": "P7", "kvt_mode": s.settings.mode,
+            "kvt_dp_rank": 1, "kvt_dp_size": 3}
+        from kvtransport_vllm.protocol import PROTOCOL_VERSION
+
+        h, info = s.compat()
+        hello_msg = {"type": "hello", "version": PROTOCOL_VERSION, "engine_id": "D", "compat": h, "compat_info": info,
+                     "tp_size": 1, "workers": {}}
+        client = PeerClient(s.host, s.port, lambda: hello_msg, s.compat, queue.Queue(), timeout=5)
+        deadline = time.monotonic() + 5
+        while client.peer_engine is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.peer_engine == "P7"  # the welcome names this engine
+        client.close()
+        pull = request("p", {"do_remote_decode": True, "do_remote_prefill": False})
+        pull.num_prompt_tokens, pull.num_computed_tokens, pull.num_output_tokens = 40, 40, 1
+        pull.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+        s.on_new_request(pull)
+        keep, params = s.request_finished(pull, [3, 4, 5])
+        assert keep is True and params == {
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [3, 4, 5],
+            "remote_engine_id": "P7", "remote_request_id": "p", "remote_host": s.settings.address,
+            "remote_port": s.port, "tp_size": 2, "remote_num_tokens": 40, "kvt_connector": "kvtransport"}
+    finally:
+        s.shutdown()
+    trace._role = ""
+    d = SchedulerSide(settings=resolve_settings({}, env={}), engine_id="D", block_size=16, producer=False,
+                      consumer=True, compat_info={"model": "m"})
+    try:
+        assert trace._role == "decode" and d.port == 0 and d.server is None
+    finally:
+        d.shutdown()
+
+
+def test_refusal_lines_are_counted_from_a_fresh_engines_first_and_the_minute_is_exactly_sixty_seconds(
+        side, caplog, monkeypatch) -> None:
+    import logging
+
+    from kvtransport_vllm import scheduler as scheduler_mod
+
+    clock = [1000.0]
+    monkeypatch.setattr(scheduler_mod.time, "monotonic", lambda: clock[0])
+    caplog.set_level(logging.WARNING, logger="vllm.kvtransport")
+    for i in range(21):
+        side.params(request(f"g{i}", {"do_remote_decode": "yes"}))
+    assert len(caplog.records) == scheduler_mod.REFUSALS_LOGGED_PER_MINUTE == 20  # the 21st is only counted
+    caplog.clear()
+    clock[0] += 60.0  # a minute to the second: a new window
+    side.params(request("next", {"do_remote_decode": "yes"}))
+    assert [r.getMessage() for r in caplog.records] == [
+        "kvtransport: 1 more request(s) refused for their kv_transfer_params in the last minute (not logged one by one)",
+        f"kvtransport: request next fails: {side.refused['next']}"]

@@ -84,10 +84,7 @@ class SchedulerSide:
         self.dp_index, self.dp_count = dp_route
         self.engine_id = engine_id
         self.block_size = block_size
-        self.producer = producer
-        self.consumer = consumer
         self.tp_size = tp_size
-        self.num_groups = num_groups  # KV cache groups (hybrid models: full and sliding-window attention)
         self._base_compat = dict(compat_info)
         self.worker_meta: dict[int, dict[str, Any]] = {}
         self.inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
