@@ -326,3 +326,94 @@ def test_refusal_lines_are_counted_from_a_fresh_engines_first_and_the_minute_is_
     assert [r.getMessage() for r in caplog.records] == [
         "kvtransport: 1 more request(s) refused for their kv_transfer_params in the last minute (not logged one by one)",
         f"kvtransport: request next fails: {side.refused['next']}"]
+
+
+# ---------------------------------------------------------------------- the step plan
+class _Blocks:
+    """What vLLM hands ``update_state_after_alloc`` (one KV cache group, every block new)."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (list(self.ids),)
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        return list(self.ids)
+
+
+def idle_output() -> SimpleNamespace:
+    return SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+                           scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[]))
+
+
+def test_a_refused_requests_claimed_load_is_failed_by_the_next_plan_once(side) -> None:
+    """A request whose params were refused and whose remote "load" vLLM allocated (n > 0 tokens): the next plan
+    has its workers start that receive and fail it at once with the refusal's reason; the plan after has nothing.
+    An allocation of 0 external tokens, or a second one after the failure, claims nothing."""
+    from kvtransport_vllm.metadata import FailureKind
+
+    bad = request("bad", {"do_remote_decode": "yes"})
+    assert side.get_num_new_matched_tokens(bad, 0) == (40, True)
+    side.update_state_after_alloc(request("none", {"do_remote_decode": "yes"}), _Blocks([9]), 0)  # nothing claimed
+    side.update_state_after_alloc(bad, _Blocks([4, 5, 6]), 1)
+    plan = side.build_plan(idle_output())
+    assert (plan.recv_start, plan.recv_blocks, plan.recv_fail, plan.recv_fail_kind) == (
+        {"bad": side.settings.transfer_timeout}, {"bad": [4, 5, 6]}, {"bad": side.refused["bad"]},
+        {"bad": FailureKind.INVALID_PARAMS})
+    again = side.build_plan(idle_output())
+    assert (again.recv_start, again.recv_blocks, again.recv_fail) == ({}, {}, {})
+    side.update_state_after_alloc(bad, _Blocks([7]), 40)  # kv_load_failure_policy=recompute: not claimed again
+    assert side.get_num_new_matched_tokens(bad, 0) == (0, False) and side.build_plan(idle_output()).recv_fail == {}
+
+
+def test_a_prefill_request_allocated_before_vllm_announced_it_is_registered_then(side) -> None:
+    """vLLM versions without ``on_new_request``: the allocation registers the prefill request as a source."""
+    prefill = request("p", {"do_remote_decode": True, "do_remote_prefill": False, "kvt_xfer": "xp"})
+    side.update_state_after_alloc(prefill, _Blocks([1, 2, 3]), 0)
+    assert list(side.prefill.src_by_req) == ["p"] and side.prefill.src_by_req["p"].xfer == "xp"
+
+
+def test_a_new_decode_peers_workers_and_geometry_go_into_the_next_plan_only(side) -> None:
+    side.inbox.put(("hello", "D", {**hello(tp=2), "workers": {"0": "bWV0YQ=="}}))
+    plan = side.build_plan(idle_output())
+    assert plan.peers == {"D": {"0": "bWV0YQ=="}} and plan.peer_geometry == {"D": {**MINE, "tp_size": 2}}
+    assert side.peer_workers == {"D": {"0": "bWV0YQ=="}}
+    again = side.build_plan(idle_output())
+    assert again.peers == {} and again.peer_geometry == {}
+
+
+def test_a_decodes_gauges_are_reported_when_they_change_only() -> None:
+    s = SchedulerSide(settings=resolve_settings({}, env={}), engine_id="D", block_size=16, producer=False,
+                      consumer=True, compat_info={"model": "m"})
+    try:
+        assert s.stats_delta() == {"recv_unallocated": 0, "recv_in_progress": 0}
+        assert s.stats_delta() == {}  # unchanged: not repeated
+        s.counters["first_tokens_received"] += 2
+        assert s.stats_delta() == {"first_tokens_received": 2} and s.stats_delta() == {}
+    finally:
+        s.shutdown()
+
+
+def test_an_idle_decode_waiting_for_a_first_token_takes_the_event_that_comes_during_its_wait(monkeypatch) -> None:
+    """A step that schedules nothing while a request waits for its first token waits for the side channel
+    (IDLE_INBOX_WAIT_S, 2 s here); an event arriving during that wait is handled in this step, at this step's
+    time."""
+    import threading
+
+    from kvtransport_vllm import scheduler as scheduler_mod
+
+    monkeypatch.setattr(scheduler_mod, "IDLE_INBOX_WAIT_S", 2.0)
+    s = SchedulerSide(settings=resolve_settings({}, env={}), engine_id="D", block_size=16, producer=False,
+                      consumer=True, compat_info={"model": "m"})
+    try:
+        s.decode.awaits_first_token = lambda: True  # type: ignore[method-assign]
+        threading.Timer(0.2, lambda: s.inbox.put(("ready", ("127.0.0.1", 9), ["x1"]))).start()
+        t0 = time.monotonic()
+        s.build_plan(idle_output())
+        took = time.monotonic() - t0
+        assert 0.15 < took < 1.5, took  # returned once the event came, not after the whole wait
+        stamp = s.decode.ready_xfers["x1"]
+        assert isinstance(stamp, float) and t0 - 0.01 <= stamp <= t0 + 0.01  # the step's own time
+    finally:
+        s.shutdown()
