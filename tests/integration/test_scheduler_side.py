@@ -397,13 +397,13 @@ def test_a_decodes_gauges_are_reported_when_they_change_only() -> None:
 
 def test_an_idle_decode_waiting_for_a_first_token_takes_the_event_that_comes_during_its_wait(monkeypatch) -> None:
     """A step that schedules nothing while a request waits for its first token waits for the side channel
-    (IDLE_INBOX_WAIT_S, 2 s here); an event arriving during that wait is handled in this step, at this step's
+    (IDLE_INBOX_WAIT_S, 0.8 s here); an event arriving during that wait is handled in this step, at this step's
     time."""
     import threading
 
     from kvtransport_vllm import scheduler as scheduler_mod
 
-    monkeypatch.setattr(scheduler_mod, "IDLE_INBOX_WAIT_S", 2.0)
+    monkeypatch.setattr(scheduler_mod, "IDLE_INBOX_WAIT_S", 0.8)
     s = SchedulerSide(settings=resolve_settings({}, env={}), engine_id="D", block_size=16, producer=False,
                       consumer=True, compat_info={"model": "m"})
     try:
@@ -415,5 +415,45 @@ def test_an_idle_decode_waiting_for_a_first_token_takes_the_event_that_comes_dur
         assert 0.15 < took < 1.5, took  # returned once the event came, not after the whole wait
         stamp = s.decode.ready_xfers["x1"]
         assert isinstance(stamp, float) and t0 - 0.01 <= stamp <= t0 + 0.01  # the step's own time
+    finally:
+        s.shutdown()
+
+
+def test_an_orphan_past_its_lease_is_expired_by_the_next_plan_and_refused_to_its_decode(side) -> None:
+    """A destination whose prefill request never came is held for a lease; the first plan after it ends (an
+    idle step, nothing in the inbox) drops it and tells its decode."""
+    from kvtransport_vllm import protocol as proto
+
+    msg = {"type": "dst", "xfer": "x", "mode": "push", "dsts": [{"seq": "s1", "blocks": [1, 2], "offset": 0}]}
+    side.prefill._on_message("D", proto.check_message(proto.parse_message(proto.encode_message(msg)[4:])),
+                             time.monotonic() - side.settings.lease - 1)
+    assert list(side.prefill.orphans) == ["x"]
+    side.build_plan(idle_output())
+    assert side.prefill.orphans == {}
+    assert [(e, m["type"], m["seqs"]) for e, m in side.sent] == [("D", "fail", ["s1"])]  # type: ignore[attr-defined]
+
+
+def test_a_prefill_with_a_secret_admits_only_decodes_that_prove_it() -> None:
+    import queue
+
+    from kvtransport_vllm.protocol import PROTOCOL_VERSION
+    from kvtransport_vllm.sidechannel import PeerClient
+
+    s = SchedulerSide(settings=resolve_settings({}, env={"KV_TRANSPORT_SECRET": "s3cret"}), engine_id="P",
+                      block_size=16, producer=True, consumer=False, compat_info={"model": "m"})
+    try:
+        h, info = s.compat()
+        hello_msg = {"type": "hello", "version": PROTOCOL_VERSION, "engine_id": "D", "compat": h, "compat_info": info,
+                     "tp_size": 1, "workers": {}}
+        stranger = PeerClient(s.host, s.port, lambda: hello_msg, s.compat, queue.Queue(), timeout=3)
+        friend = PeerClient(s.host, s.port, lambda: {**hello_msg, "engine_id": "D2"}, s.compat, queue.Queue(),
+                            timeout=3, secret=b"s3cret")
+        deadline = time.monotonic() + 5
+        while (stranger.error is None or friend.peer_engine is None) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stranger.dead and stranger.peer_engine is None
+        assert friend.peer_engine == "P" and not friend.dead
+        stranger.close()
+        friend.close()
     finally:
         s.shutdown()
