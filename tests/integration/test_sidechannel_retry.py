@@ -211,9 +211,13 @@ def test_what_a_prefill_sends_is_checked_bounded_and_delivered_exactly_and_its_l
         {"type": "first", "xfer": "z", "token": 1 << 31},  # dropped: past 31 bits
         {"type": "first", "xfer": "z", "token": -1},  # dropped
         {"type": "first", "xfer": "z", "token": True},  # dropped: a bool is no token
+        {"type": "ping", "token": 123},  # not a string: no pong
+        {"type": "ping", "token": "t" * 129},  # longer than a token may be: no pong
+        {"type": "ping", "token": "t" * 128},
         {"type": "ping", "token": "t1"},
     ):
         proto.send_message(prefill, msg)
+    assert proto.recv_message(prefill) == {"type": "pong", "token": "t" * 128}
     assert proto.recv_message(prefill) == {"type": "pong", "token": "t1"}
     events = [inbox.get(timeout=5) for _ in range(6)]
     assert events == [
