@@ -18,6 +18,9 @@ from kvtransport_vllm.config import resolve_settings
 from kvtransport_vllm.metadata import SendFailure
 from kvtransport_vllm.scheduler import SchedulerSide
 
+from .test_scheduler_connector import _Blocks
+from .vllm_helpers import wait_until
+
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(60)]
 
 MINE = {"tp_size": 1, "block_size": 16, "kv_order": "HN"}
@@ -28,13 +31,28 @@ LAYOUT = ("(not [blocks, heads, block, head] dense per layer: MLA's latent cache
 @pytest.fixture
 def side():
     """A prefill's scheduler side (TP 1, block size 16) whose worker 0 has a unit layout (head order HN)."""
-    s = SchedulerSide(settings=resolve_settings({}, env={}), engine_id="P", block_size=16, producer=True,
-                      consumer=False, compat_info={"model": "m"})
+    s = make_side("P")
     s.set_worker_metadata({0: {"kv_order": "HN"}})
     s.sent = []  # type: ignore[attr-defined]  # what it sends to decodes (none connects)
     s.server.send = lambda engine, msg: s.sent.append((engine, msg)) or True  # type: ignore[union-attr,attr-defined]
     yield s
     s.shutdown()
+
+
+def make_side(engine_id: str = "P", *, producer: bool = True, env: dict[str, str] | None = None,
+              **kw: Any) -> SchedulerSide:
+    """A scheduler side of one role (block size 16), its settings from ``env`` alone."""
+    return SchedulerSide(settings=resolve_settings({}, env=env or {}), engine_id=engine_id, block_size=16,
+                         producer=producer, consumer=not producer, compat_info={"model": "m"}, **kw)
+
+
+def decode_hello(s: SchedulerSide, engine: str) -> dict[str, Any]:
+    """A decode's hello that ``s`` finds compatible (no workers)."""
+    from kvtransport_vllm.protocol import PROTOCOL_VERSION
+
+    h, info = s.compat()
+    return {"type": "hello", "version": PROTOCOL_VERSION, "engine_id": engine, "compat": h, "compat_info": info,
+            "tp_size": 1, "workers": {}}
 
 
 def hello(tp: Any = 1, **geometry: Any) -> dict[str, Any]:
@@ -64,8 +82,7 @@ def test_the_head_order_is_one_of_three_names_else_none(side, order: Any, read: 
 
 
 def test_the_tp_size_defaults_to_one_and_the_geometry_to_ours_in_block_size() -> None:
-    s = SchedulerSide(settings=resolve_settings({}, env={}), engine_id="P", block_size=16, producer=True,
-                      consumer=False, compat_info={"model": "m"})
+    s = make_side("P")
     try:
         s._take_geometry("D", {})  # an older decode: no tp_size, no geometry
         assert s.peer_geometry["D"] == {"tp_size": 1, "block_size": 16, "kv_order": None}
@@ -164,8 +181,7 @@ def test_a_workers_send_failures_are_told_to_their_decode_engines(side) -> None:
 
 
 def test_a_prefill_request_finishing_on_a_decode_only_engine_frees_its_blocks() -> None:
-    s = SchedulerSide(settings=resolve_settings({}, env={}), engine_id="D", block_size=16, producer=False,
-                      consumer=True, compat_info={"model": "m"})
+    s = make_side("D", producer=False)
     try:
         prefill = request("p", {"do_remote_decode": True, "do_remote_prefill": False, "kvt_xfer": "x"})
         assert s.params(prefill).role == "prefill"
@@ -269,23 +285,15 @@ def test_the_prefill_names_itself_to_proxies_decodes_and_its_traces() -> None:
     from kvtransport_vllm.sidechannel import PeerClient
 
     trace._role = ""  # the first role set in a process names its trace file
-    s = SchedulerSide(settings=resolve_settings({}, env={}), engine_id="P7", block_size=16, producer=True,
-                      consumer=False, compat_info={"model": "m"}, tp_size=2, dp_route=(1, 3))
+    s = make_side("P7", tp_size=2, dp_route=(1, 3))
     try:
         assert trace._role == "prefill"
         assert s.port == s.server.port > 0
         assert s.prefill.discovery_params() == {
             "kvt_host": s.settings.address, "kvt_port": s.port, "kvt_engine_id": "P7", "kvt_mode": s.settings.mode,
             "kvt_dp_rank": 1, "kvt_dp_size": 3}
-        from kvtransport_vllm.protocol import PROTOCOL_VERSION
-
-        h, info = s.compat()
-        hello_msg = {"type": "hello", "version": PROTOCOL_VERSION, "engine_id": "D", "compat": h, "compat_info": info,
-                     "tp_size": 1, "workers": {}}
-        client = PeerClient(s.host, s.port, lambda: hello_msg, s.compat, queue.Queue(), timeout=5)
-        deadline = time.monotonic() + 5
-        while client.peer_engine is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        client = PeerClient(s.host, s.port, lambda: decode_hello(s, "D"), s.compat, queue.Queue(), timeout=5)
+        wait_until(lambda: client.peer_engine is not None, timeout=5)
         assert client.peer_engine == "P7"  # the welcome names this engine
         client.close()
         pull = request("p", {"do_remote_decode": True, "do_remote_prefill": False})
@@ -300,8 +308,7 @@ def test_the_prefill_names_itself_to_proxies_decodes_and_its_traces() -> None:
     finally:
         s.shutdown()
     trace._role = ""
-    d = SchedulerSide(settings=resolve_settings({}, env={}), engine_id="D", block_size=16, producer=False,
-                      consumer=True, compat_info={"model": "m"})
+    d = make_side("D", producer=False)
     try:
         assert trace._role == "decode" and d.port == 0 and d.server is None
     finally:
@@ -329,19 +336,6 @@ def test_refusal_lines_are_counted_from_a_fresh_engines_first_and_the_minute_is_
 
 
 # ---------------------------------------------------------------------- the step plan
-class _Blocks:
-    """What vLLM hands ``update_state_after_alloc`` (one KV cache group, every block new)."""
-
-    def __init__(self, ids: list[int]) -> None:
-        self.ids = ids
-
-    def get_block_ids(self) -> tuple[list[int], ...]:
-        return (list(self.ids),)
-
-    def get_unhashed_block_ids(self) -> list[int]:
-        return list(self.ids)
-
-
 def idle_output() -> SimpleNamespace:
     return SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}, total_num_scheduled_tokens=0,
                            scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[]))
@@ -355,22 +349,22 @@ def test_a_refused_requests_claimed_load_is_failed_by_the_next_plan_once(side) -
 
     bad = request("bad", {"do_remote_decode": "yes"})
     assert side.get_num_new_matched_tokens(bad, 0) == (40, True)
-    side.update_state_after_alloc(request("none", {"do_remote_decode": "yes"}), _Blocks([9]), 0)  # nothing claimed
-    side.update_state_after_alloc(bad, _Blocks([4, 5, 6]), 1)
+    side.update_state_after_alloc(request("none", {"do_remote_decode": "yes"}), _Blocks([[9]], [[9]]), 0)  # nothing claimed
+    side.update_state_after_alloc(bad, _Blocks([[4, 5, 6]], [[4, 5, 6]]), 1)
     plan = side.build_plan(idle_output())
     assert (plan.recv_start, plan.recv_blocks, plan.recv_fail, plan.recv_fail_kind) == (
         {"bad": side.settings.transfer_timeout}, {"bad": [4, 5, 6]}, {"bad": side.refused["bad"]},
         {"bad": FailureKind.INVALID_PARAMS})
     again = side.build_plan(idle_output())
     assert (again.recv_start, again.recv_blocks, again.recv_fail) == ({}, {}, {})
-    side.update_state_after_alloc(bad, _Blocks([7]), 40)  # kv_load_failure_policy=recompute: not claimed again
+    side.update_state_after_alloc(bad, _Blocks([[7]], [[7]]), 40)  # kv_load_failure_policy=recompute: not claimed again
     assert side.get_num_new_matched_tokens(bad, 0) == (0, False) and side.build_plan(idle_output()).recv_fail == {}
 
 
 def test_a_prefill_request_allocated_before_vllm_announced_it_is_registered_then(side) -> None:
     """vLLM versions without ``on_new_request``: the allocation registers the prefill request as a source."""
     prefill = request("p", {"do_remote_decode": True, "do_remote_prefill": False, "kvt_xfer": "xp"})
-    side.update_state_after_alloc(prefill, _Blocks([1, 2, 3]), 0)
+    side.update_state_after_alloc(prefill, _Blocks([[1, 2, 3]], [[1, 2, 3]]), 0)
     assert list(side.prefill.src_by_req) == ["p"] and side.prefill.src_by_req["p"].xfer == "xp"
 
 
@@ -384,8 +378,7 @@ def test_a_new_decode_peers_workers_and_geometry_go_into_the_next_plan_only(side
 
 
 def test_a_decodes_gauges_are_reported_when_they_change_only() -> None:
-    s = SchedulerSide(settings=resolve_settings({}, env={}), engine_id="D", block_size=16, producer=False,
-                      consumer=True, compat_info={"model": "m"})
+    s = make_side("D", producer=False)
     try:
         assert s.stats_delta() == {"recv_unallocated": 0, "recv_in_progress": 0}
         assert s.stats_delta() == {}  # unchanged: not repeated
@@ -404,8 +397,7 @@ def test_an_idle_decode_waiting_for_a_first_token_takes_the_event_that_comes_dur
     from kvtransport_vllm import scheduler as scheduler_mod
 
     monkeypatch.setattr(scheduler_mod, "IDLE_INBOX_WAIT_S", 0.8)
-    s = SchedulerSide(settings=resolve_settings({}, env={}), engine_id="D", block_size=16, producer=False,
-                      consumer=True, compat_info={"model": "m"})
+    s = make_side("D", producer=False)
     try:
         s.decode.awaits_first_token = lambda: True  # type: ignore[method-assign]
         threading.Timer(0.2, lambda: s.inbox.put(("ready", ("127.0.0.1", 9), ["x1"]))).start()
@@ -436,21 +428,14 @@ def test_an_orphan_past_its_lease_is_expired_by_the_next_plan_and_refused_to_its
 def test_a_prefill_with_a_secret_admits_only_decodes_that_prove_it() -> None:
     import queue
 
-    from kvtransport_vllm.protocol import PROTOCOL_VERSION
     from kvtransport_vllm.sidechannel import PeerClient
 
-    s = SchedulerSide(settings=resolve_settings({}, env={"KV_TRANSPORT_SECRET": "s3cret"}), engine_id="P",
-                      block_size=16, producer=True, consumer=False, compat_info={"model": "m"})
+    s = make_side("P", env={"KV_TRANSPORT_SECRET": "s3cret"})
     try:
-        h, info = s.compat()
-        hello_msg = {"type": "hello", "version": PROTOCOL_VERSION, "engine_id": "D", "compat": h, "compat_info": info,
-                     "tp_size": 1, "workers": {}}
-        stranger = PeerClient(s.host, s.port, lambda: hello_msg, s.compat, queue.Queue(), timeout=3)
-        friend = PeerClient(s.host, s.port, lambda: {**hello_msg, "engine_id": "D2"}, s.compat, queue.Queue(),
-                            timeout=3, secret=b"s3cret")
-        deadline = time.monotonic() + 5
-        while (stranger.error is None or friend.peer_engine is None) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        stranger = PeerClient(s.host, s.port, lambda: decode_hello(s, "D"), s.compat, queue.Queue(), timeout=3)
+        friend = PeerClient(s.host, s.port, lambda: decode_hello(s, "D2"), s.compat, queue.Queue(), timeout=3,
+                            secret=b"s3cret")
+        wait_until(lambda: stranger.error is not None and friend.peer_engine is not None, timeout=5)
         assert stranger.dead and stranger.peer_engine is None
         assert friend.peer_engine == "P" and not friend.dead
         stranger.close()
