@@ -84,14 +84,15 @@ def fake_prefill(lsock: socket.socket, answers: list[str], got: queue.Queue[Any]
             KEPT.append(conn)  # stays open: the test ends it
 
 
-def run_client(answers: list[str], timeout: float = 10) -> tuple[queue.Queue[Any], queue.Queue[Any], Any, float]:
+def run_client(answers: list[str], timeout: float = 10,
+               worker: bool = False) -> tuple[queue.Queue[Any], queue.Queue[Any], Any, float]:
     lsock = socket.create_server(("127.0.0.1", 0))
     got: queue.Queue[Any] = queue.Queue()
     threading.Thread(target=fake_prefill, args=(lsock, answers, got), daemon=True).start()
     inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
     t0 = time.monotonic()
     client = sc.PeerClient("127.0.0.1", lsock.getsockname()[1], hello, compat, inbox, timeout=timeout,
-                           secret=SECRET)
+                           secret=SECRET, worker=worker)
     client.send(DST)
     return got, inbox, client, t0
 
@@ -180,13 +181,7 @@ def test_what_a_prefill_opens_with_is_bounded_and_checked_and_its_refusal_cut(an
 def _connected(answers: list[str], worker: bool = False) -> tuple[Any, queue.Queue[Any], socket.socket]:
     """A client connected to a fake prefill (welcome): (client, its inbox, the prefill's end of the connection)."""
     KEPT.clear()
-    lsock = socket.create_server(("127.0.0.1", 0))
-    got: queue.Queue[Any] = queue.Queue()
-    threading.Thread(target=fake_prefill, args=(lsock, answers, got), daemon=True).start()
-    inbox: queue.Queue[tuple[Any, ...]] = queue.Queue()
-    client = sc.PeerClient("127.0.0.1", lsock.getsockname()[1], hello, compat, inbox, timeout=10, secret=SECRET,
-                           worker=worker)
-    client.send(DST)
+    got, inbox, client, _ = run_client(answers, worker=worker)
     assert got.get(timeout=10) == ("hello", "welcome")
     assert proto.as_lists(got.get(timeout=10)) == ["msg", DST]
     if not worker:
