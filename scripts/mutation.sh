@@ -8,6 +8,7 @@
 #   bash scripts/mutation.sh scheduler [NAME_PATTERN...]
 #   bash scripts/mutation.sh report                 # the counts of the last runs, per module
 #   (cd DIR && $VENV/bin/mutmut show NAME)          # one mutant's diff; DIR: . or build/mutation-vllm
+#   $VENV/bin/python scripts/mutation_kill.py NAMES TEST_FILE...  # new tests against a run's survivors (no re-run)
 #
 # Both stages run in the vLLM venv (integration/vllm/ci_setup.sh builds it; MUTATION_VENV names another), since
 # the scheduler's tests need vLLM. The core's configuration is [tool.mutmut] in pyproject.toml (work dir
@@ -79,7 +80,9 @@ lines += ["", "[tool.mutmut]",
           '"tests/integration/test_sidechannel_bounds.py", "tests/integration/test_sidechannel_retry.py", '
           '"tests/integration/test_producer_orphans.py", "tests/integration/test_bootstrap_dp.py", '
           '"tests/integration/test_transfer_params.py", "tests/integration/test_mooncake_shape.py", '
-          '"tests/integration/test_scheduler_side.py"]',
+          '"tests/integration/test_scheduler_side.py", "tests/integration/test_pusher.py", '
+          '"tests/integration/test_worker_books.py", "tests/integration/test_producer_messages.py", '
+          '"tests/integration/test_producer_requests.py", "tests/integration/test_producer_events.py"]',
           "do_not_mutate_patterns = ['\\blog\\.(debug|info|warning|error|exception)\\(', '^\\s*raise \\w+(\\.\\w+)?\\(']",
           # (test_transfer_params.py's parametrized ids are kept to [A-Za-z0-9_=.-]: mutmut hands them back to
           # pytest, which failed the clean run on ids with '\\n' or 300-character hosts in them)

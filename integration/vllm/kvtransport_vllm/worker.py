@@ -91,7 +91,6 @@ class WorkerSide:
         self.layout: KVLayout | None = None
         self.layer_index: dict[str, int] = {}
         self.pusher: Pusher | None = None
-        self._plan: StepPlan | None = None
         self._layers_done: set[int] = set()
         self._step_sources = False  # this step's forward computes prefill requests (their layers go to the pusher)
         self._step_layerwise = False  # ... and some of them are put layer by layer
@@ -170,7 +169,6 @@ class WorkerSide:
     def bind(self, plan: StepPlan) -> None:
         """Take this step's plan (before the forward, and in steps without one). Queues its whole pushes and
         releases, starts and ends receives. Non-blocking."""
-        self._plan = plan
         self._layers_done = set()
         self._step_sources = bool(plan.sources)
         self._step_layerwise = any(src.layerwise for src in plan.sources)
