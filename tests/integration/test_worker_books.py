@@ -4,7 +4,8 @@ geometry checks of decode engines on the prefill side, with exact values.
 
 The CommManager here records every call and lands what the test says (``DecodeCM``); the fence thread is the
 worker's own. Real transfers between workers run in test_worker_connector.py; this file is for the bookkeeping
-those cannot pin down (which sequence ids, which timeouts, which counters). Pure Python (no torch tensors)."""
+those cannot pin down (which sequence ids, which timeouts, which counters). Only the registration tests build
+(small, CPU) tensors; ``kvtransport.open`` is replaced there by a recorder of what it was asked for."""
 
 from __future__ import annotations
 
