@@ -25,6 +25,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD_LIMIT = 300.0
+# pytest's exit codes that say nothing about the mutant: 4 usage error (a test file missing), 5 no tests
+# collected (1: a test failed, 2: collection failed, e.g. the mutant broke an import: both kills)
+NOT_A_VERDICT = (4, 5)
 
 
 def run_child(name: str, tests: list[str]) -> int:
@@ -79,7 +82,12 @@ def main(argv: list[str]) -> int:
             return 1
         for name in names:
             code = run_child(name, tests)
-            print(f"{'SURVIVED' if code == 0 else 'killed'} {name}", flush=True)
+            missing = [t for t in tests if not (scratch / t).is_file()]
+            if code in NOT_A_VERDICT or missing:  # the tests did not run (e.g. the scratch copy went away)
+                print(f"ERROR {name}: pytest exit code {code}, test files missing: {missing}: stopped", flush=True)
+                return 1
+            print(f"{'SURVIVED' if code == 0 else 'killed'} {name}" + (f" (exit {code})" if code not in (0, 1) else ""),
+                  flush=True)
         return 0
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -234,3 +234,24 @@ def test_a_count_cancel_counts_as_asked_for_a_pull_sampling_family(made) -> None
     source(s, "0_fam", mode="pull", rid="0_fam")
     msg(s, "A", {"type": "cancel", "xfer": "0_fam", "mode": "pull", "count": 1})
     assert s.prefill.family_asked == {"fam": 1}
+
+
+def test_a_producer_before_its_side_channel_is_attached_tells_no_one_and_raises_nothing(caplog) -> None:
+    """The scheduler side attaches the side channel right after making its roles: until then a producer has no
+    port (0 in its discovery params) and what it would send (ready, first token, fail) goes nowhere, logged."""
+    from kvtransport_vllm.roles import RoleContext
+
+    ctx = RoleContext(settings=resolve_settings({}, env={}), engine_id="P", tp_size=1, num_groups=1,
+                      counters={"first_tokens_sent": 0}, params=lambda request: None)
+    p = producer_mod.Producer(ctx, unmappable={})
+    assert p.server is None and p.port == 0 and p.discovery_params()["kvt_port"] == 0
+    src = Source("req-x", "x", "push", 1, 40, holders={"D"})
+    src.first = 7
+    p._send_ready(src)
+    p._tell_first(src)
+    assert (src.ready_sent, src.first_told, ctx.counters["first_tokens_sent"]) == (set(), set(), 0)
+    with caplog.at_level(logging.WARNING, logger="vllm.kvtransport"):
+        p.send_fail("D", ["s"], "its prefill failed")
+    assert [r.getMessage() for r in caplog.records] == [
+        "kvtransport: transfer to D ['s'] failed: its prefill failed",
+        "kvtransport: cannot tell decode engine D (not connected)"]

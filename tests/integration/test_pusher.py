@@ -785,6 +785,56 @@ def test_a_connect_gives_up_when_the_next_wait_would_reach_its_deadline(monkeypa
     assert sleeps == [0.1, 0.2, 0.4, 0.8]  # 1.5 s waited: the next wait (1.0) would pass 1.6
 
 
+def fake_clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The pusher's clock from 0.0, advanced only by its sleeps; returns the sleeps, in order."""
+    clock = [0.0]
+    sleeps: list[float] = []
+    monkeypatch.setattr(pusher_mod.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(pusher_mod.time, "sleep", lambda t: (sleeps.append(t), clock.__setitem__(0, clock[0] + t)))
+    return sleeps
+
+
+def test_a_connect_gives_up_when_the_next_wait_would_end_exactly_at_its_deadline(monkeypatch) -> None:
+    sleeps = fake_clock(monkeypatch)
+    cm = RecordingCM()
+    cm.fail["connect"] = kvtransport.TransferTimeout("slow")
+    p = stopped_pusher(cm, timeout=0.1 + 0.2 + 0.4)  # the clock after two waits plus the third, to the last bit
+    p._connect(("D", 0), b"D0")
+    assert isinstance(p.q.get(timeout=5)[2], kvtransport.TransferTimeout)
+    assert sleeps == [0.1, 0.2]
+
+
+def test_a_connects_waits_double_up_to_one_second(monkeypatch) -> None:
+    sleeps = fake_clock(monkeypatch)
+    cm = RecordingCM()
+    cm.fail["connect"] = kvtransport.PeerDisconnected("closed")
+    p = stopped_pusher(cm, timeout=4.0)
+    p._connect(("D", 0), b"D0")
+    assert isinstance(p.q.get(timeout=5)[2], kvtransport.PeerDisconnected)
+    assert sleeps == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]  # 3.5 s waited: the next wait (1.0) would pass 4.0
+
+
+class JoinRecorder:
+    """A connect thread as ``_connected`` sees it: its joins recorded."""
+
+    def __init__(self) -> None:
+        self.joins: list[float | None] = []
+
+    def join(self, timeout: float | None = None) -> None:
+        self.joins.append(timeout)
+
+
+def test_a_connect_thread_is_joined_for_at_most_a_second_once_it_handed_over_its_outcome() -> None:
+    """The thread ends right after it queued its outcome: joined (bounded) before the next connect starts, so at
+    most MAX_CONNECTS connect threads ever run."""
+    p = stopped_pusher(RecordingCM())
+    thread = JoinRecorder()
+    p._connect_threads[("D", 0)] = thread
+    p.connecting[("D", 0)] = []
+    p._connected(("D", 0), FakePeer("D0"))
+    assert thread.joins == [1.0] and not p._connect_threads and list(p.peers) == [("D", 0)]
+
+
 def test_a_connect_that_raises_something_unexpected_fails_its_waiting_puts_with_the_error() -> None:
     cm = RecordingCM()
     cm.fail["connect"] = RuntimeError("boom")

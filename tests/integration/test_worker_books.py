@@ -9,7 +9,9 @@ those cannot pin down (which sequence ids, which timeouts, which counters). Only
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import queue
 import threading
 import time
 from typing import Any
@@ -602,12 +604,13 @@ class OpenedCM(DecodeCM):
         self.layout, self.kw = layout, kw
 
 
-def registered(made: list[Any], monkeypatch: pytest.MonkeyPatch, caches: dict[str, Any], **kw: Any) -> Any:
+def registered(made: list[Any], monkeypatch: pytest.MonkeyPatch, caches: dict[str, Any],
+               settings: dict[str, Any] | None = None, **kw: Any) -> Any:
     torch = pytest.importorskip("torch")
     assert torch is not None
     monkeypatch.setattr(worker_mod.kvtransport, "open", lambda layout, **o: OpenedCM(layout, **o))
     w = WorkerSide(settings=resolve_settings({"backend": "auto", "connect_timeout": 7, "lease": 12,
-                                              "ifname": "lo"}), engine_id="eng", **kw)
+                                              "ifname": "lo", **(settings or {})}), engine_id="eng", **kw)
     made.append(w)
     w.register_kv_caches(caches)
     return w
@@ -663,6 +666,10 @@ def test_an_aborted_receive_whose_parts_landed_early_is_fenced_and_forgets_them(
     assert w.cm.of("abort") == [("abort", "r", CONNECT_TIMEOUT)]
     w.bind(StepPlan(recv_abort=["r"]))  # reported already: not again
     assert w.transfer_results().finished_recving == set()
+    # "r" had no destination blocks to forget (it never started): the fence thread goes on to the next receive
+    w.bind(StepPlan(recv_start={"z": 30.0}))
+    w.bind(StepPlan(recv_fail={"z": "its prefill failed"}))
+    assert failed(results_until(w, lambda s: failed(s))) == {"z"}
 
 
 def test_holds_add_up_over_plans_and_a_release_reports_with_the_receives_start(made, monkeypatch) -> None:
@@ -693,3 +700,180 @@ def test_a_plans_pushes_peers_and_releases_reach_the_pusher(made) -> None:
     assert handed(w) == [("peers", {"D": {0: b"m"}}, {"D": [2, 3]}, {"D": wide}, {}),
                          ("plan", [], [], [], ["gone"]), ("release", "r1")]
     assert plan.send_release == []
+
+
+# ---------------------------------------------------------------- the fence thread, shutdown, what registration sets
+class RecordedSleepTime:
+    """``worker.time`` with ``sleep`` recorded, not slept (the fence thread's pause before it retries an abort)."""
+
+    monotonic = staticmethod(time.monotonic)
+
+    def __init__(self) -> None:
+        self.slept: list[Any] = []
+
+    def sleep(self, seconds: Any) -> None:
+        self.slept.append(seconds)
+
+
+def test_an_abort_that_times_out_is_retried_after_one_second_and_the_receive_still_reported(made, monkeypatch) -> None:
+    """The prefill did not confirm an abort in time: its blocks stay held, the abort is tried again after 1 s,
+    then the receive is reported failed; the fence thread goes on with the next one."""
+    recorded = RecordedSleepTime()
+    monkeypatch.setattr(worker_mod, "time", recorded)
+    w = decode(made)
+    w.cm.abort_fail = [kvtransport.TransferTimeout("the prefill did not confirm the abort")]
+    w.bind(StepPlan(recv_start={"a": 30.0, "b": 30.0}))
+    w.bind(StepPlan(recv_fail={"a": "its prefill failed"}))
+    assert failed(results_until(w, lambda s: failed(s))) == {"a"}
+    assert recorded.slept == [1.0]
+    assert w.cm.of("abort") == [("abort", "a", CONNECT_TIMEOUT), ("abort", "a", CONNECT_TIMEOUT)]
+    w.bind(StepPlan(recv_fail={"b": "its prefill failed"}))
+    assert failed(results_until(w, lambda s: failed(s))) == {"b"}
+
+
+def test_a_receive_failed_before_its_senders_are_known_aborts_the_part_that_landed_and_forgets_it(made) -> None:
+    w = decode(made, shard=Shard(1, 0, 4, 16))
+    w.bind(StepPlan(recv_start={"r": 30.0}))
+    p0 = part_seq("r", 0, 2)
+    w.cm.landed = [p0]
+    assert w.transfer_results().finished_recving == set()
+    assert w._landed == {"r": {p0}} and w._parts == {}
+    w.bind(StepPlan(recv_fail={"r": "its prefill failed"}))
+    assert failed(results_until(w, lambda s: failed(s))) == {"r"}
+    assert w.cm.of("abort") == [("abort", s, CONNECT_TIMEOUT) for s in sorted({"r", p0})]
+    assert w._landed == {} and w._parts == {}
+
+
+def test_a_shut_down_worker_reports_and_counts_nothing(made) -> None:
+    w = decode(made)
+    w.bind(StepPlan(recv_start={"r": 30.0}))
+    w.shutdown()
+    assert w.cm is None
+    res = w.transfer_results()
+    assert (res.finished_sending, res.finished_recving, res.failed_recving) == (set(), set(), set())
+    assert w.stats_delta() == {}
+
+
+def test_a_worker_without_a_pusher_counts_no_transfer_sent(made) -> None:
+    w = decode(made)
+    assert w.stats_delta() == {"bytes_sent": 0, "bytes_received": 0, "puts": 0, "puts_received": 0, "failures": 0,
+                               "transfers_sent": 0, "transfers_received": 0, "transfer_times": [],
+                               "transfer_failures": 0, "prefill_disconnects": 0, "backend": ["recorded"],
+                               "paths": []}
+
+
+def test_a_registered_worker_before_its_first_plan_hands_the_pusher_nothing(made) -> None:
+    w = prefill_steps(made)
+    w.save_kv_layer("L0", object())
+    w.wait_for_save()
+    assert handed(w) == []
+
+
+def test_registration_whose_heads_do_not_match_the_model_keeps_vllms_blocks(made, monkeypatch, caplog) -> None:
+    """2 KV heads in the cache at TP 1 of a 4-head model: not a shard of it; the block layout (like-for-like
+    peers only), said once."""
+    torch = pytest.importorskip("torch")
+    caches = {f"L{i}": torch.zeros(8, 2, 16, 16) for i in range(2)}
+    with caplog.at_level(logging.WARNING, logger="vllm.kvtransport"):
+        w = registered(made, monkeypatch, caches, num_kv_heads=4, num_blocks=8)
+    assert w.geometry is None and w.shard is None and w.layout.num_blocks == 8
+    msgs = [r.getMessage() for r in caplog.records if "keeps the block layout" in r.getMessage()]
+    assert msgs == ["kvtransport: worker 0 keeps the block layout (like-for-like peers only): "
+                    "2 KV heads in the cache, 4 expected"]
+
+
+def test_registration_guards_the_destination_channel_with_the_secret_and_fences_on_a_daemon_thread(
+        made, monkeypatch) -> None:
+    """Destinations straight from decodes are admitted only with the connector's secret; the fence thread must
+    not keep a worker process alive at exit."""
+    torch = pytest.importorskip("torch")
+    caches = {f"L{i}": torch.zeros(8, 2, 16, 16) for i in range(2)}
+    w = registered(made, monkeypatch, caches, settings={"backend_options": {"secret": "s3cret"}})
+    assert w.dst_channel is not None and w.dst_channel._secret == b"s3cret"
+    assert w._fencer is not None and w._fencer.daemon is True and w._fencer.is_alive()
+
+
+class RecordedPusher:
+    """What registration starts the pusher with (no thread)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        self.args, self.kw = args, kw
+        self.q: queue.Queue[Any] = queue.Queue()
+        self.groups = 1
+
+    def close(self) -> None:
+        pass
+
+
+def test_registration_of_a_cuda_cache_makes_the_pusher_wait_for_the_forward(made, monkeypatch) -> None:
+    """A GPU cache (here: a host cache described as on cuda:0): the pusher orders its puts after the forward's
+    CUDA events (``cuda=True``); without it a put could read a layer the forward is still writing."""
+    torch = pytest.importorskip("torch")
+    real_unit_layout = worker_mod.unit_layout
+    monkeypatch.setattr(worker_mod, "unit_layout",
+                        lambda caches, geo: dataclasses.replace(real_unit_layout(caches, geo), device="cuda:0"))
+    monkeypatch.setattr(worker_mod, "Pusher", RecordedPusher)
+    caches = {f"L{i}": torch.zeros(8, 2, 16, 16) for i in range(2)}
+    w = registered(made, monkeypatch, caches)
+    assert w.layout.is_cuda and w.pusher.kw["cuda"] is True
+
+
+# ---------------------------------------------------------------- a plan's receive orders, edge cases
+def test_a_release_that_comes_before_the_kv_reports_it_as_soon_as_it_lands(made) -> None:
+    w = decode(made)
+    w.bind(StepPlan(recv_start={"r": 30.0}, recv_hold={"r"}))
+    w.bind(StepPlan(recv_release={"r"}))
+    assert w._held == set() and w._landed_held == {}
+    w.cm.landed = ["r"]
+    assert w.transfer_results().finished_recving == {"r"}
+
+
+def test_an_abort_or_a_failure_of_a_receive_never_started_reports_nothing(made) -> None:
+    w = decode(made)
+    w.bind(StepPlan(recv_abort=["ghost"], recv_fail={"phantom": "its prefill failed"}))
+    assert list(w._reported) == [] and w.cm.calls == []
+    res = w.transfer_results()
+    assert (res.finished_recving, res.failed_recving) == (set(), set())
+    assert w.stats_delta()["transfer_failures"] == 0
+
+
+def test_a_failed_receive_held_for_its_first_token_is_no_longer_held(made) -> None:
+    w = decode(made)
+    w.bind(StepPlan(recv_start={"r": 30.0}, recv_hold={"r"}))
+    w.bind(StepPlan(recv_fail={"r": "its prefill failed"}))
+    assert w._held == set()
+    assert failed(results_until(w, lambda s: failed(s))) == {"r"}
+
+
+def test_every_failure_of_a_plan_is_counted_once_a_landed_one_among_them(made) -> None:
+    """Three failures in one plan: one waiting, one landed and held for its first token (nothing to abort: failed
+    at once), one waiting again; each counted once, all reported failed."""
+    w = decode(made)
+    w.bind(StepPlan(recv_start={"b": 30.0, "a": 30.0, "c": 30.0}, recv_hold={"a"}))
+    w.cm.landed = ["a"]
+    assert w.transfer_results().finished_recving == set()
+    w.bind(StepPlan(recv_fail={"b": "its prefill failed", "a": "its first token will not come",
+                               "c": "its prefill failed"}))
+    assert failed(results_until(w, lambda s: failed(s) == {"a", "b", "c"})) == {"a", "b", "c"}
+    assert w._landed_held == {} and w._held == set()
+    assert w.stats_delta()["transfer_failures"] == 3
+    assert w.cm.of("abort") == [("abort", "b", CONNECT_TIMEOUT), ("abort", "c", CONNECT_TIMEOUT)]
+
+
+def test_receives_failed_with_their_prefill_lost_in_one_plan_count_each(made) -> None:
+    w = decode(made)
+    w.bind(StepPlan(recv_start={"a": 30.0, "b": 30.0}))
+    w.bind(StepPlan(recv_fail={"a": "gone", "b": "gone"},
+                    recv_fail_kind={"a": FailureKind.PREFILL_LOST, "b": FailureKind.PREFILL_LOST}))
+    assert w.stats_delta()["prefill_disconnects"] == 2
+
+
+def test_a_failed_receive_forgets_its_parts_that_landed_early_and_only_those(made) -> None:
+    w = decode(made, shard=Shard(1, 0, 4, 16))
+    r0, q0 = part_seq("r", 0, 2), part_seq("q", 0, 2)
+    w.cm.landed = [r0, q0]
+    w.transfer_results()  # neither is waited for yet
+    w.bind(StepPlan(recv_start={"r": 30.0}))
+    w.bind(StepPlan(recv_fail={"r": "its prefill failed"}))
+    assert list(w._early) == [q0]
+    assert failed(results_until(w, lambda s: failed(s))) == {"r"}
