@@ -16,11 +16,11 @@ pytest.importorskip("vllm", reason="vLLM is not installed (integration/vllm/ci_s
 pytest.importorskip("kvtransport_vllm", reason="kvtransport-vllm is not installed")
 
 from kvtransport_vllm import producer as producer_mod
-from kvtransport_vllm.config import resolve_settings
 from kvtransport_vllm.producer import Destination, Source
 from kvtransport_vllm.scheduler import SchedulerSide
 
-from .test_producer_orphans import COMPAT_INFO, ENTRY, _books, plan_cancels
+from .test_producer_orphans import ENTRY, _books, plan_cancels
+from .vllm_helpers import recorded_prefill_side
 
 LOGGER = "vllm.kvtransport"
 EVICTED = ("refused: destinations whose prefill request has not arrived fill MAX_ORPHAN_BLOCKS; decode engine {} "
@@ -33,16 +33,7 @@ NO_ROOM = ("refused: destinations whose prefill request has not arrived fill MAX
 def side():
     """A prefill's scheduler side whose sends to decodes are recorded in ``side.sent``; a send to an engine in
     ``side.down`` fails (not connected)."""
-    s = SchedulerSide(settings=resolve_settings({}, env={}), engine_id="P", block_size=16, producer=True,
-                      consumer=False, compat_info=COMPAT_INFO)
-    s.sent = []  # type: ignore[attr-defined]
-    s.down = set()  # type: ignore[attr-defined]
-
-    def send(engine: str, msg: dict[str, Any]) -> bool:
-        s.sent.append((engine, msg))  # type: ignore[attr-defined]
-        return engine not in s.down  # type: ignore[attr-defined]
-
-    s.server.send = send  # type: ignore[union-attr,method-assign]
+    s = recorded_prefill_side()
     yield s
     s.shutdown()
 

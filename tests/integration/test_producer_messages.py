@@ -21,7 +21,8 @@ from kvtransport_vllm.config import resolve_settings
 from kvtransport_vllm.producer import Source
 from kvtransport_vllm.scheduler import SchedulerSide
 
-from .test_producer_orphans import COMPAT_INFO, plan_cancels
+from .test_producer_orphans import plan_cancels
+from .vllm_helpers import recorded_prefill_side
 
 NOW = 100.0
 
@@ -36,10 +37,7 @@ def made():
 
 def prefill(made: list[SchedulerSide], num_groups: int = 1) -> SchedulerSide:
     """A prefill's scheduler side of ``num_groups`` KV cache groups; its sends are recorded in ``.sent``."""
-    s = SchedulerSide(settings=resolve_settings({}, env={}), engine_id="P", block_size=16, producer=True,
-                      consumer=False, compat_info=COMPAT_INFO, num_groups=num_groups)
-    s.sent = []  # type: ignore[attr-defined]
-    s.server.send = lambda engine, msg: s.sent.append((engine, msg)) or True  # type: ignore[union-attr,attr-defined]
+    s = recorded_prefill_side(num_groups=num_groups)
     made.append(s)
     return s
 

@@ -23,7 +23,6 @@ pytest.importorskip("kvtransport_vllm", reason="kvtransport-vllm is not installe
 
 from kvtransport_vllm import protocol as proto
 from kvtransport_vllm import pushplan
-from kvtransport_vllm.config import resolve_settings
 from kvtransport_vllm.metadata import StepPlan
 from kvtransport_vllm.scheduler import SchedulerSide
 from vllm.v1.request import RequestStatus
@@ -34,10 +33,10 @@ from .vllm_helpers import (
     make_request,
     make_scheduler,
     plan_of,
+    recorded_prefill_side,
     wait_until,
 )
 
-COMPAT_INFO = {"model": "tiny-orphan-model", "block_size": 16}
 PER_ENGINE = pushplan.MAX_ORPHAN_BLOCKS_PER_ENGINE
 ENTRY = pushplan.ORPHAN_ENTRY_COST
 BIG = 65536  # block ids of one destination in the issue's attack (a 1M-token prompt at 16-token blocks)
@@ -47,10 +46,7 @@ BYTES_PER_ID = 36  # a held block id: a distinct Python int (28 bytes) and its l
 @pytest.fixture
 def side():
     """A prefill's scheduler side; what it sends to decodes is recorded in ``side.sent`` (no decode connects)."""
-    s = SchedulerSide(settings=resolve_settings({}, env={}), engine_id="P", block_size=16, producer=True,
-                      consumer=False, compat_info=COMPAT_INFO)
-    s.sent = []  # type: ignore[attr-defined]
-    s.server.send = lambda engine, msg: s.sent.append((engine, msg)) or True  # type: ignore[union-attr,attr-defined]
+    s = recorded_prefill_side()
     yield s
     s.shutdown()
 

@@ -18,15 +18,13 @@ pytest.importorskip("vllm", reason="vLLM is not installed (integration/vllm/ci_s
 pytest.importorskip("kvtransport_vllm", reason="kvtransport-vllm is not installed")
 
 from kvtransport_vllm import trace
-from kvtransport_vllm.config import resolve_settings
 from kvtransport_vllm.metadata import Bind, SourceStep, StepPlan
 from kvtransport_vllm.producer import Destination, Source, sampling_family
 from kvtransport_vllm.scheduler import SchedulerSide
 from vllm.v1.request import RequestStatus
 
-from .test_producer_orphans import COMPAT_INFO
 from .test_scheduler_side import request as plain_request
-from .vllm_helpers import make_request
+from .vllm_helpers import make_request, recorded_prefill_side
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(60)]
 
@@ -40,10 +38,7 @@ def make_side():
     made: list[SchedulerSide] = []
 
     def make(extra: dict[str, Any] | None = None, **kw: Any) -> SchedulerSide:
-        s = SchedulerSide(settings=resolve_settings(extra or {}, env={}), engine_id="P", block_size=16, producer=True,
-                          consumer=False, compat_info=COMPAT_INFO, **kw)
-        s.sent = []  # type: ignore[attr-defined]
-        s.server.send = lambda engine, msg: s.sent.append((engine, msg)) or True  # type: ignore[union-attr,attr-defined]
+        s = recorded_prefill_side(extra, **kw)
         made.append(s)
         return s
 

@@ -19,6 +19,8 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 EOS = 2
+COMPAT_INFO = {"model": "tiny-orphan-model", "block_size": 16}
+"""What the prefill scheduler sides of the producer tests say about their model (compatibility checks)."""
 _ids = itertools.count(1)
 _hash_ready = False
 
@@ -155,3 +157,24 @@ class PrefillWorkers:
                 self.signals[op.push.seq] = op.kind
         self.ops += ops
         return ops
+
+
+def recorded_prefill_side(extra: dict[str, Any] | None = None, **kw: Any) -> Any:
+    """A prefill's scheduler side (engine "P", 16-token blocks, settings from ``kv_connector_extra_config``
+    ``extra`` alone: no environment) whose side channel sends nothing: each message to a decode is recorded in
+    ``side.sent`` as ``(engine, msg)``, and a send to an engine in ``side.down`` fails (not connected). ``kw`` goes
+    to ``SchedulerSide`` (e.g. ``num_groups``). The caller shuts it down."""
+    from kvtransport_vllm.config import resolve_settings
+    from kvtransport_vllm.scheduler import SchedulerSide
+
+    s = SchedulerSide(settings=resolve_settings(extra or {}, env={}), engine_id="P", block_size=16, producer=True,
+                      consumer=False, compat_info=COMPAT_INFO, **kw)
+    s.sent = []  # type: ignore[attr-defined]
+    s.down = set()  # type: ignore[attr-defined]
+
+    def send(engine: str, msg: dict[str, Any]) -> bool:
+        s.sent.append((engine, msg))  # type: ignore[attr-defined]
+        return engine not in s.down  # type: ignore[attr-defined]
+
+    s.server.send = send  # type: ignore[union-attr,method-assign]
+    return s
