@@ -117,6 +117,16 @@ def test_holds_are_bounded_at_4096_forgetting_the_oldest(side) -> None:
     assert len(p.holds) == 4096 and "h0" not in p.holds and "h1" in p.holds and "h4096" in p.holds
 
 
+def test_the_holds_bound_forgets_the_least_recently_renewed_not_the_first_made(side) -> None:
+    """A flood of new transfer ids must not push out a hold its decode renewed a moment ago."""
+    p = side.prefill
+    p._renewed("A", [f"h{i}" for i in range(4096)], 1.0)
+    p._renewed("B", ["h0"], 2.0)
+    p._renewed("C", ["new"], 2.0)
+    assert len(p.holds) == 4096 and "h1" not in p.holds
+    assert p.holds["h0"] == (2.0 + p.settings.lease, {"A", "B"}) and "new" in p.holds
+
+
 def test_ready_goes_once_to_each_holder_and_again_to_one_that_was_not_reached(side) -> None:
     src = source(side, "x", holders=("A", "B"))
     side.down.add("B")

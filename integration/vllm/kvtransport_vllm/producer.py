@@ -754,8 +754,8 @@ class Producer:
                     self._send_ready(src)
                 if src.first is not None:
                     self._tell_first(src)
-            elif xfer not in self.gone:
-                _, engines = self.holds.get(xfer, (until, set()))
+            elif xfer not in self.gone:  # re-inserted: the bound below drops the least recently renewed
+                _, engines = self.holds.pop(xfer, (until, set()))
                 self.holds[xfer] = (until, engines | {engine})
         while len(self.holds) > 4096:
             self.holds.pop(next(iter(self.holds)))
