@@ -283,6 +283,45 @@ def test_a_pull_request_is_never_a_sibling_of_a_push_transfer_that_carries_its_i
     assert p.family_size == {"fam": 1}
 
 
+TAKEN = ("kv_transfer_params refused: transfer id 'x' is in use by another live prefill request of this engine; "
+         "give each request its own (kvt_xfer or transfer_id: only the children of one parallel-sampling request "
+         "share one)")
+
+
+def test_a_request_naming_a_transfer_id_a_live_request_holds_is_refused_and_the_live_one_keeps_it(side) -> None:
+    """Two requests, one transfer id (a router that reuses ids, a client retrying with its own): the second would
+    replace the first in ``sources``, so either decode could be served the other prompt's KV. It is refused (its
+    request fails); the first keeps its transfer; a child of the first's parallel-sampling request still shares
+    it; once the first is gone the id is free again."""
+    p = side.prefill
+    side.on_new_request(prefill("0_a", xfer="x"))
+    side.on_new_request(prefill("0_b", xfer="x"))
+    assert side.refused == {"0_b": TAKEN}
+    assert list(p.src_by_req) == ["0_a"] and p.sources["x"].req_id == "0_a"
+    assert side.get_num_new_matched_tokens(prefill("0_b", xfer="x"), 0) == (40, True)  # admitted only to fail
+    side.on_new_request(prefill("1_a", xfer="x"))  # a sibling: shares the transfer
+    assert "1_a" not in side.refused and p.sources["x"].fanout == 2
+    side.on_new_request(prefill("0_a", xfer="x"))  # the same request again (e.g. resumed): not refused
+    assert set(side.refused) == {"0_b"}
+    p._drop_source("1_a")
+    p._drop_source("0_a")
+    side.on_new_request(prefill("0_c", xfer="x"))
+    assert "0_c" not in side.refused and p.sources["x"].req_id == "0_c"
+
+
+def test_a_pull_request_whose_id_a_live_push_transfer_carries_is_refused(side) -> None:
+    side.on_new_request(prefill("0_a", xfer="x"))
+    side.on_new_request(prefill("x"))  # the pull flow: the transfer id is the request id
+    assert side.refused == {"x": TAKEN} and side.prefill.sources["x"].req_id == "0_a"
+
+
+def test_a_transfer_id_in_use_is_named_at_most_64_characters_long(side) -> None:
+    long = "y" * 300
+    side.on_new_request(prefill("0_a", xfer=long))
+    side.on_new_request(prefill("0_b", xfer=long))
+    assert side.refused["0_b"] == TAKEN.replace("'x'", repr("y" * 64))
+
+
 # ---------------------------------------------------------------------- request_finished
 def test_a_discovery_request_frees_its_blocks_at_once_and_returns_the_discovery_params(make_side, events) -> None:
     s = make_side(dp_route=(1, 2))

@@ -311,6 +311,28 @@ class Producer:
             del self.holds[xfer]
 
     # ------------------------------------------------------------------ internals
+    def transfer_taken(self, request: Any) -> str | None:
+        """Why new prefill request ``request`` cannot have the transfer id its params name: another live request of
+        this engine holds it and is not a child of the same parallel-sampling request (one id would hand one
+        prompt's KV, or its first token, to the other's decode). None when the id is free, or ``request`` is
+        registered already. Scheduler thread; O(1); never raises."""
+        rid = request.request_id
+        if rid in self.src_by_req:
+            return None
+        params = self.ctx.params(request)
+        if params.discover:
+            return None
+        xfer = params.xfer if params.xfer is not None else rid
+        live = self.sources.get(xfer)
+        if live is None or live.req_id == rid:
+            return None
+        family = sampling_family(rid)
+        if params.xfer is not None and family is not None and family == sampling_family(live.req_id):
+            return None
+        return (f"kv_transfer_params refused: transfer id {xfer[:64]!r} is in use by another live prefill request of "
+                "this engine; give each request its own (kvt_xfer or transfer_id: only the children of one "
+                "parallel-sampling request share one)")
+
     def register_source(self, request: Any) -> Source:
         rid = request.request_id
         src = self.src_by_req.get(rid)

@@ -310,13 +310,18 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ vLLM hooks (both roles)
     def on_new_request(self, request: Any) -> None:
-        """Register prefill requests early, so destinations that arrive before they are scheduled attach.
-        Decode: take a lease on the transfer at once (the prefill then knows who holds it). First reads (and
-        checks) the request's ``kv_transfer_params``."""
+        """Register prefill requests early, so destinations that arrive before they are scheduled attach (one
+        whose transfer id another live request holds is refused: :meth:`.Producer.transfer_taken`). Decode: take a
+        lease on the transfer at once (the prefill then knows who holds it). First reads (and checks) the
+        request's ``kv_transfer_params``."""
         params = self._read(request)
         if params is None:
             return
         if self.prefill is not None and params.role == "prefill":
+            why = self.prefill.transfer_taken(request)
+            if why is not None:  # failed, not registered: the live request keeps its transfer
+                self._refuse(request.request_id, why, quiet=False)
+                return
             self.prefill.register_source(request)
         elif self.decode is not None and params.role == "decode":
             self.decode.on_new_request(request)
