@@ -7,6 +7,7 @@ expired). Exact values throughout; no decode connects (what the prefill sends is
 
 from __future__ import annotations
 
+import logging
 import time
 from array import array
 from types import SimpleNamespace
@@ -288,15 +289,18 @@ TAKEN = ("kv_transfer_params refused: transfer id 'x' is in use by another live 
          "share one)")
 
 
-def test_a_request_naming_a_transfer_id_a_live_request_holds_is_refused_and_the_live_one_keeps_it(side) -> None:
+def test_a_request_naming_a_transfer_id_a_live_request_holds_is_refused_and_the_live_one_keeps_it(side,
+                                                                                                   caplog) -> None:
     """Two requests, one transfer id (a router that reuses ids, a client retrying with its own): the second would
     replace the first in ``sources``, so either decode could be served the other prompt's KV. It is refused (its
     request fails); the first keeps its transfer; a child of the first's parallel-sampling request still shares
     it; once the first is gone the id is free again."""
     p = side.prefill
     side.on_new_request(prefill("0_a", xfer="x"))
-    side.on_new_request(prefill("0_b", xfer="x"))
+    with caplog.at_level(logging.WARNING, logger="vllm.kvtransport"):
+        side.on_new_request(prefill("0_b", xfer="x"))
     assert side.refused == {"0_b": TAKEN}
+    assert [r.getMessage() for r in caplog.records] == [f"kvtransport: request 0_b fails: {TAKEN}"]  # said, once
     assert list(p.src_by_req) == ["0_a"] and p.sources["x"].req_id == "0_a"
     assert side.get_num_new_matched_tokens(prefill("0_b", xfer="x"), 0) == (40, True)  # admitted only to fail
     side.on_new_request(prefill("1_a", xfer="x"))  # a sibling: shares the transfer
