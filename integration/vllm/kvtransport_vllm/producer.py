@@ -71,6 +71,12 @@ def sampling_family(req_id: str) -> str | None:
     return _CHILD.sub("", req_id, count=1) if _CHILD.match(req_id) else None
 
 
+def _siblings(req_id: str, other: str) -> bool:
+    """Whether two request ids are children of one parallel-sampling request (they may share a transfer id)."""
+    family = sampling_family(req_id)
+    return family is not None and family == sampling_family(other)
+
+
 @dataclass
 class Destination:
     engine: str
@@ -326,8 +332,7 @@ class Producer:
         live = self.sources.get(xfer)
         if live is None or live.req_id == rid:
             return None
-        family = sampling_family(rid)
-        if params.xfer is not None and family is not None and family == sampling_family(live.req_id):
+        if params.xfer is not None and _siblings(rid, live.req_id):
             return None
         return (f"kv_transfer_params refused: transfer id {xfer[:64]!r} is in use by another live prefill request of "
                 "this engine; give each request its own (kvt_xfer or transfer_id: only the children of one "
@@ -347,8 +352,7 @@ class Producer:
         trace.event("p.new", xfer, req=rid)
         self.src_by_req[rid] = src
         first = self.sources.get(xfer) if push else None
-        if first is not None and first is not src and sampling_family(rid) is not None \
-                and sampling_family(rid) == sampling_family(first.req_id):
+        if first is not None and first is not src and _siblings(rid, first.req_id):
             # a sibling of a parallel-sampling family that shares one transfer id (a router that sends the
             # client's n to the prefill, Mooncake-style): the prompt's KV is the same, so the first child serves
             # every decode child and this one holds nothing
