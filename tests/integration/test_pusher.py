@@ -771,20 +771,6 @@ def test_a_connect_that_breaks_off_is_tried_again_backing_off_within_its_timeout
     assert sleeps == [0.1, 0.2] and timeouts == [1.0, 0.9, pytest.approx(0.7)]
 
 
-def test_a_connect_gives_up_when_the_next_wait_would_reach_its_deadline(monkeypatch) -> None:
-    clock = [0.0]
-    sleeps: list[float] = []
-    monkeypatch.setattr(pusher_mod.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(pusher_mod.time, "sleep", lambda t: (sleeps.append(t), clock.__setitem__(0, clock[0] + t)))
-    cm = RecordingCM()
-    cm.fail["connect"] = kvtransport.TransferTimeout("slow")
-    p = stopped_pusher(cm, timeout=1.6)
-    p._connect(("D", 0), b"D0")
-    job = p.q.get(timeout=5)
-    assert isinstance(job[2], kvtransport.TransferTimeout)
-    assert sleeps == [0.1, 0.2, 0.4, 0.8]  # 1.5 s waited: the next wait (1.0) would pass 1.6
-
-
 def fake_clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """The pusher's clock from 0.0, advanced only by its sleeps; returns the sleeps, in order."""
     clock = [0.0]
@@ -792,6 +778,17 @@ def fake_clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     monkeypatch.setattr(pusher_mod.time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(pusher_mod.time, "sleep", lambda t: (sleeps.append(t), clock.__setitem__(0, clock[0] + t)))
     return sleeps
+
+
+def test_a_connect_gives_up_when_the_next_wait_would_reach_its_deadline(monkeypatch) -> None:
+    sleeps = fake_clock(monkeypatch)
+    cm = RecordingCM()
+    cm.fail["connect"] = kvtransport.TransferTimeout("slow")
+    p = stopped_pusher(cm, timeout=1.6)
+    p._connect(("D", 0), b"D0")
+    job = p.q.get(timeout=5)
+    assert isinstance(job[2], kvtransport.TransferTimeout)
+    assert sleeps == [0.1, 0.2, 0.4, 0.8]  # 1.5 s waited: the next wait (1.0) would pass 1.6
 
 
 def test_a_connect_gives_up_when_the_next_wait_would_end_exactly_at_its_deadline(monkeypatch) -> None:
